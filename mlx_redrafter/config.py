@@ -1,0 +1,111 @@
+"""Configuration: one frozen dataclass per concern."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """The drafter's beam search and the tree the target verifies.
+
+    beam_width: W, candidate continuations per step.
+    beam_length: L, tokens per beam; the first is the target's own token, so each
+        beam holds L - 1 drafted tokens and a step emits at most L tokens.
+    share_prefixes: pack the beams into a prefix tree so every distinct prefix is
+        verified once (False verifies all W*L tokens, as the reference MLX port does).
+    tree_budget: the number of packed tokens N the target verifies per step
+        (a static shape). None means every distinct prefix fits: 1 + W*(L-1) with
+        sharing, W*L without. A smaller budget drops the lowest-ranked beams' tails.
+    """
+
+    beam_width: int = 4
+    beam_length: int = 4
+    share_prefixes: bool = True
+    tree_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.beam_length, int) or self.beam_length < 1:
+            raise ValueError(f"beam_length must be an integer >= 1, got {self.beam_length!r}")
+        if self.tree_budget is not None and not (
+            self.beam_length <= self.tree_budget <= self.max_tree_size
+        ):
+            raise ValueError(
+                f"tree_budget must be between beam_length={self.beam_length} and "
+                f"{self.max_tree_size} for W={self.beam_width}, L={self.beam_length}; "
+                f"got {self.tree_budget}"
+            )
+
+    @property
+    def max_tree_size(self) -> int:
+        """Most packed tokens a tree of these beams can need."""
+        if self.share_prefixes:
+            return 1 + self.beam_width * (self.beam_length - 1)
+        return self.beam_width * self.beam_length
+
+    @property
+    def num_packed(self) -> int:
+        """N: packed tokens verified per step (static for this config)."""
+        return self.tree_budget if self.tree_budget is not None else self.max_tree_size
+
+
+PLAIN_DECODING = BeamConfig(beam_width=1, beam_length=1)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target picks tokens; the same rules as mlx-lm's sampler.
+
+    temperature 0 is greedy. top_p (nucleus) and top_k filter the untempered
+    distribution (top-p first, then top-k), then the temperature applies.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    """When a row stops: max_tokens, any of eos_token_ids, or a stop string."""
+
+    max_tokens: int = 256
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty strings")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Target K/V storage: plain, or quantized like mlx-lm's QuantizedKVCache."""
+
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    prefill_step_size: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.kv_bits is not None and self.kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8 or None, got {self.kv_bits}")
+        if self.prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be >= 1, got {self.prefill_step_size}")

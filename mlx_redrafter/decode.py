@@ -1,0 +1,222 @@
+"""The speculative decoding loop, at the level of token ids.
+
+prefill -> [draft (beam search) -> pack tree -> verify -> accept -> commit cache
+-> yield] per step. Shapes: B batch, W beam width, L beam length, N packed
+tokens, D hidden, V vocabulary.
+
+Plain autoregressive decoding is the same loop with W = L = 1 and no drafter:
+the tree is the single root token, and every step emits the target's choice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .accept import accept
+from .beam_search import beam_search
+from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
+from .drafter import Drafter
+from .sampling import choose_tokens
+from .target import TargetCache, context_length, target_forward, target_hidden
+from .tree import chain_tree, pack_tree
+
+
+@dataclass
+class DecodeState:
+    """Everything the loop carries from one step to the next.
+
+    cache: the target's K/V cache with each row's committed length.
+    root_tokens: (B,) each row's newest token; not yet in the cache, it roots the next tree.
+    hidden: (B, D) target hidden state at each row's last committed position.
+    row_ids: which request (index into the prompts) each batch row serves.
+    """
+
+    cache: TargetCache
+    root_tokens: mx.array
+    hidden: mx.array
+    row_ids: list[int]
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only the batch rows at the given positions."""
+        index = mx.array(rows, dtype=mx.int32)
+        self.cache.select_rows(rows)
+        self.root_tokens = self.root_tokens[index]
+        self.hidden = self.hidden[index]
+        self.row_ids = [self.row_ids[r] for r in rows]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One step's results read back to the host (index = batch row)."""
+
+    tokens: list[list[int]]  # the num_accepted + 1 tokens each row emitted
+    num_accepted: list[int]
+    tree_sizes: list[int]  # distinct prefixes in each row's tree
+
+
+def prefill(
+    model: nn.Module, prompts: Sequence[Sequence[int]], cache_config: CacheConfig
+) -> DecodeState:
+    """Commit every prompt but its last token; the last token roots the first tree.
+
+    Rows of different lengths are right-padded per chunk; padding is never committed.
+    """
+    batch_size = len(prompts)
+    cache = TargetCache(model, batch_size, cache_config)
+    embedding = model.model.embed_tokens(mx.array([0]))  # (1, D), for D and the dtype
+    hidden = mx.zeros((batch_size, embedding.shape[-1]), dtype=embedding.dtype)  # (B, D)
+    contexts = [list(prompt[:-1]) for prompt in prompts]
+    longest = max((len(context) for context in contexts), default=0)
+    for start in range(0, longest, cache_config.prefill_step_size):
+        chunks = [context[start : start + cache_config.prefill_step_size] for context in contexts]
+        counts = [len(chunk) for chunk in chunks]
+        width = max(counts)
+        tokens = mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks])  # (B, C)
+        chunk_hidden = target_hidden(model, cache, chain_tree(tokens), causal=True)  # (B, C, D)
+        count = mx.array(counts, dtype=mx.int32)
+        last = mx.maximum(count - 1, 0)[:, None, None]  # (B, 1, 1)
+        last_hidden = mx.take_along_axis(chunk_hidden, last, axis=1)[:, 0]  # (B, D)
+        hidden = mx.where((count > 0)[:, None], last_hidden.astype(hidden.dtype), hidden)
+        path = mx.broadcast_to(mx.arange(width, dtype=mx.int32)[None], (batch_size, width))
+        cache.commit(path, count)
+        cache.sync_lengths([length + n for length, n in zip(cache.host_lengths, counts)])
+        mx.eval(hidden, cache.arrays())
+    root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
+    return DecodeState(cache, root_tokens, hidden, list(range(batch_size)))
+
+
+def decode_step(
+    model: nn.Module,
+    drafter: Drafter | None,
+    state: DecodeState,
+    beam: BeamConfig,
+    sampling: SamplingConfig,
+    key: mx.array | None,
+) -> StepOutput:
+    """One speculative step for every row, with exactly one host sync at the end."""
+    if drafter is None:
+        beam = PLAIN_DECODING
+    # Draft: W beams of L tokens, each opened by the row's root token.
+    if drafter is None or beam.beam_length == 1:
+        beams = mx.broadcast_to(state.root_tokens[:, None, None], (len(state.row_ids), 1, 1))
+    else:
+        beams = beam_search(
+            drafter, model.model.embed_tokens, state.hidden, state.root_tokens,
+            beam.beam_width, beam.beam_length,
+        )  # (B, W, L)
+    # Pack tree: each distinct prefix once, N static for this beam config.
+    num_packed = beam.num_packed if beams.shape[2] > 1 else 1
+    tree = pack_tree(beams, num_packed, beam.share_prefixes)
+    # Verify: one target forward over the packed tokens.
+    hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
+    choices = choose_tokens(logits, sampling, key)  # (B, N)
+    # Accept: walk the tree along the target's choices.
+    result = accept(beams, tree.unpack, tree.canonical, choices)
+    # Commit cache: keep the root and the accepted nodes' K/V.
+    state.cache.commit(result.path, result.num_accepted + 1)
+    state.root_tokens = result.bonus_tokens
+    state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
+    # The step's one host sync.
+    mx.eval(state.root_tokens, state.hidden, state.cache.arrays(), result.tokens,
+            result.num_accepted, tree.num_tokens)
+    num_accepted = result.num_accepted.tolist()
+    tokens = [row[: n + 1] for row, n in zip(result.tokens.tolist(), num_accepted)]
+    state.cache.sync_lengths(
+        [length + n + 1 for length, n in zip(state.cache.host_lengths, num_accepted)]
+    )
+    return StepOutput(tokens, num_accepted, tree.num_tokens.tolist())
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """What one step produced for the rows still running, after stop rules.
+
+    row_ids: the requests that took part in this step.
+    tokens: the new tokens of each of those rows (may be empty once a row stops).
+    num_accepted: drafted tokens the target accepted for each row.
+    tree_sizes: distinct prefixes in each row's tree (N before padding).
+    finished: rows that ended this step, with "stop" (EOS) or "length".
+    prefill_seconds, step_seconds: wall-clock of the prefill and of this step.
+    """
+
+    row_ids: list[int]
+    tokens: list[list[int]]
+    num_accepted: list[int]
+    tree_sizes: list[int]
+    finished: dict[int, str] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+def speculative_decode(
+    model: nn.Module,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    beam: BeamConfig,
+    sampling: SamplingConfig,
+    stop: StopConfig,
+    cache_config: CacheConfig | None = None,
+    key: mx.array | None = None,
+    stopped_rows: set[int] | None = None,
+) -> Iterator[DecodeEvent]:
+    """Decode a batch of token-id prompts together; yields one event per step.
+
+    A consumer that decides a row must end (a stop string, a closed client) adds
+    its index to `stopped_rows`; the row leaves the batch before the next step.
+    `key` is the MLX PRNG key for sampling (split once per step).
+    """
+    cache_config = cache_config or CacheConfig()
+    stopped_rows = stopped_rows if stopped_rows is not None else set()
+    if stop.max_tokens == 0 or not prompts:
+        return
+    if not sampling.greedy and key is None:
+        raise ValueError("sampling needs an MLX PRNG key (mx.random.key(seed))")
+    limit = context_length(model)
+    started = time.perf_counter()
+    state = prefill(model, prompts, cache_config)
+    prefill_seconds = time.perf_counter() - started
+    generated = [0] * len(prompts)
+    while state.row_ids:
+        step_started = time.perf_counter()
+        step_key = None
+        if key is not None:
+            key, step_key = mx.random.split(key)
+        output = decode_step(model, drafter, state, beam, sampling, step_key)
+        finished: dict[int, str] = {}
+        emitted: list[list[int]] = []
+        for row, new_tokens, length in zip(state.row_ids, output.tokens,
+                                           state.cache.host_lengths):
+            new_tokens = new_tokens[: stop.max_tokens - generated[row]]
+            for position, token in enumerate(new_tokens):
+                if token in stop.eos_token_ids:
+                    new_tokens = new_tokens[:position]
+                    finished[row] = "stop"
+                    break
+            generated[row] += len(new_tokens)
+            if row not in finished and (
+                generated[row] >= stop.max_tokens
+                or (limit is not None and length + beam.beam_length > limit)
+            ):
+                finished[row] = "length"
+            emitted.append(new_tokens)
+        yield DecodeEvent(
+            row_ids=list(state.row_ids),
+            tokens=emitted,
+            num_accepted=output.num_accepted,
+            tree_sizes=output.tree_sizes,
+            finished=finished,
+            prefill_seconds=prefill_seconds,
+            step_seconds=time.perf_counter() - step_started,
+        )
+        keep = [
+            position
+            for position, row in enumerate(state.row_ids)
+            if row not in finished and row not in stopped_rows
+        ]
+        if len(keep) != len(state.row_ids):
+            state.select_rows(keep)

@@ -1,0 +1,164 @@
+"""Dynamic tree attention: pack beams into a prefix tree, and the tree's masks.
+
+Shapes: B batch, W beam width, L beam length, N packed tokens (static per
+BeamConfig), T committed context.
+
+Worked example (docs/tree.md has more): one row, W = 3, L = 3,
+
+    beams = [[5, 7, 9],        beam 0
+             [5, 7, 2],        beam 1 shares [5, 7] with beam 0
+             [5, 3, 9]]        beam 2 shares [5] with beam 0
+
+    packed tokens = [5, 7, 9, 2, 3, 9]       (N = 6 of W*L = 9)
+    depths        = [0, 1, 2, 2, 1, 2]
+    unpack        = [[0, 1, 2],              packed index of beam i's prefix of length k+1
+                     [0, 1, 3],
+                     [0, 4, 5]]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+
+class PackedTree(NamedTuple):
+    """The beams of one step as a prefix tree, padded to a static N per row.
+
+    tokens:      (B, N) packed token ids; padding is 0.
+    depths:      (B, N) depth of each packed token (0 is the root); padding is 0.
+    unpack:      (B, W, L) packed index of the node for beam i's prefix of length k+1;
+                 an index >= N means the node did not fit the tree budget.
+    canonical:   (B, W, L) packed index of the first copy of that prefix: the target's
+                 choice there decides for every copy (equal to unpack when prefixes
+                 are shared; differs only when duplicates are verified).
+    ancestors:   (B, N, N) bool, [b, p, q] is True when packed token q is p itself or
+                 one of its ancestors (padding attends only to itself).
+    num_tokens:  (B,) distinct prefixes in each row (may exceed N when pruned).
+    """
+
+    tokens: mx.array
+    depths: mx.array
+    unpack: mx.array
+    canonical: mx.array
+    ancestors: mx.array
+    num_tokens: mx.array
+
+
+def prefix_owners(beams: mx.array) -> mx.array:
+    """For every (beam i, depth k), the lowest beam j with the same prefix beams[:, :k+1].
+
+    beams: (B, W, L) -> (B, W, L) int32 beam indices (j <= i).
+    """
+    batch_size, beam_width, beam_length = beams.shape
+    beam_index = mx.arange(beam_width, dtype=mx.int32)
+    equal = beams[:, :, None, :] == beams[:, None, :, :]  # (B, W, W, L) [b, i, j, k]
+    same_prefix = mx.cumprod(equal.astype(mx.int32), axis=-1) > 0  # (B, W, W, L)
+    candidates = mx.where(same_prefix, beam_index[None, None, :, None], beam_width)
+    return mx.min(candidates, axis=2).astype(mx.int32)  # (B, W, L)
+
+
+def pack_tree(beams: mx.array, num_packed: int, share_prefixes: bool = True) -> PackedTree:
+    """Pack beams (B, W, L) into a prefix tree of num_packed tokens per row.
+
+    Packed order is beam by beam, depth by depth, keeping only positions whose
+    prefix first appears in that beam. Rows with fewer distinct prefixes are
+    padded; rows with more are cut at num_packed (the tails of the last beams).
+    """
+    batch_size, beam_width, beam_length = beams.shape
+    flat_size = beam_width * beam_length
+    beam_index = mx.arange(beam_width, dtype=mx.int32)[None, :, None]  # (1, W, 1)
+    depth_index = mx.arange(beam_length, dtype=mx.int32)  # (L,)
+    first_owners = prefix_owners(beams)  # (B, W, L)
+    owners = first_owners if share_prefixes else mx.broadcast_to(beam_index, beams.shape)
+    is_new = (owners == beam_index).reshape(batch_size, flat_size)  # (B, W*L)
+
+    # Packed index of every new position, and of every position's owner node.
+    packed_index = mx.cumsum(is_new.astype(mx.int32), axis=-1) - 1  # (B, W*L)
+    owner_flat = (owners * beam_length + depth_index).reshape(batch_size, flat_size)
+    unpack = mx.take_along_axis(packed_index, owner_flat, axis=-1)  # (B, W*L)
+    unpack = unpack.reshape(batch_size, beam_width, beam_length)  # (B, W, L)
+    first_flat = (first_owners * beam_length + depth_index).reshape(batch_size, flat_size)
+    canonical = mx.take_along_axis(packed_index, first_flat, axis=-1)  # (B, W*L)
+    canonical = canonical.reshape(batch_size, beam_width, beam_length)  # (B, W, L)
+    num_tokens = mx.sum(is_new, axis=-1).astype(mx.int32)  # (B,)
+
+    # Gather new positions to the front, in flat (beam, depth) order.
+    flat_index = mx.arange(flat_size, dtype=mx.int32)
+    order = mx.argsort(mx.where(is_new, flat_index, flat_size + flat_index), axis=-1)
+    order = order[:, :num_packed].astype(mx.int32)  # (B, N) flat position of packed token p
+    slot = mx.arange(num_packed, dtype=mx.int32)
+    real = slot[None, :] < num_tokens[:, None]  # (B, N)
+    flat_beams = beams.reshape(batch_size, flat_size)  # (B, W*L)
+    tokens = mx.where(real, mx.take_along_axis(flat_beams, order, axis=-1), 0)  # (B, N)
+    depths = mx.where(real, order % beam_length, 0)  # (B, N)
+
+    # Ancestors of packed token p: the nodes on its own beam's path up to its depth.
+    beam_of = order // beam_length  # (B, N)
+    paths = mx.take_along_axis(
+        unpack, mx.broadcast_to(beam_of[:, :, None], (batch_size, num_packed, beam_length)), axis=1
+    )  # (B, N, L) packed index of each depth along p's beam
+    on_path = depth_index[None, None, :] <= depths[:, :, None]  # (B, N, L)
+    hits = (paths[..., None] == slot) & on_path[..., None]  # (B, N, L, N)
+    ancestors = mx.any(hits, axis=2)  # (B, N, N)
+    ancestors = mx.where(real[:, :, None], ancestors, slot[:, None] == slot[None, :, None])
+    return PackedTree(tokens, depths, unpack, canonical, ancestors, num_tokens)
+
+
+def chain_tree(tokens: mx.array) -> PackedTree:
+    """A tree that is one path: every token sees all before it (prefill).
+
+    tokens: (B, N) -> PackedTree with W = 1, L = N.
+    """
+    batch_size, length = tokens.shape
+    index = mx.arange(length, dtype=mx.int32)
+    depths = mx.broadcast_to(index[None], (batch_size, length))
+    causal = mx.broadcast_to(index[:, None] >= index[None, :], (batch_size, length, length))
+    return PackedTree(
+        tokens=tokens,
+        depths=depths,
+        unpack=depths[:, None, :],
+        canonical=depths[:, None, :],
+        ancestors=causal,
+        num_tokens=mx.full((batch_size,), length, dtype=mx.int32),
+    )
+
+
+def tree_positions(tree: PackedTree, lengths: mx.array) -> mx.array:
+    """Rotary positions of packed tokens: committed length + depth. -> (B, N)"""
+    return lengths[:, None] + tree.depths
+
+
+def attention_mask(tree: PackedTree, lengths: mx.array, frontier: int) -> mx.array:
+    """Boolean mask for the packed tokens over the cache after they are written.
+
+    The cache holds each row's committed tokens in slots [0, lengths[b]); slots
+    [lengths[b], frontier) are stale and hidden; the packed tokens sit at
+    [frontier, frontier + N).
+    lengths: (B,) -> (B, 1, N, frontier + N)
+    """
+    batch_size, num_packed = tree.tokens.shape
+    context = mx.arange(frontier, dtype=mx.int32)[None, :] < lengths[:, None]  # (B, T)
+    context = mx.broadcast_to(context[:, None, :], (batch_size, num_packed, frontier))
+    mask = mx.concatenate([context, tree.ancestors], axis=-1)  # (B, N, T + N)
+    return mask[:, None]  # (B, 1, N, T + N)
+
+
+def key_positions(positions: mx.array, lengths: mx.array, frontier: int) -> mx.array:
+    """Rotary position of every cache slot during a forward. -> (B, frontier + N)
+
+    Committed slot s holds position s; packed slot frontier + q holds positions[:, q].
+    """
+    batch_size = positions.shape[0]
+    context = mx.broadcast_to(mx.arange(frontier, dtype=mx.int32)[None], (batch_size, frontier))
+    return mx.concatenate([context, positions], axis=-1)
+
+
+def sliding_window_mask(
+    mask: mx.array, positions: mx.array, lengths: mx.array, frontier: int, window_size: int
+) -> mx.array:
+    """Restrict a mask (B, 1, N, T + N) to keys less than window_size positions back."""
+    keys = key_positions(positions, lengths, frontier)  # (B, T + N)
+    near = (positions[:, :, None] - keys[:, None, :]) < window_size  # (B, N, T + N)
+    return mask & near[:, None]
