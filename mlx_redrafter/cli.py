@@ -18,12 +18,16 @@ DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="MLX model folder or Hub id (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", help="drafter folder or Hub id (default: the shipped "
-                        "drafter of the default model)")
-    parser.add_argument("--no-drafter", action="store_true",
-                        help="decode plainly, one token per target forward")
+    parser.add_argument(
+        "--model", help="MLX model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--drafter",
+        help="drafter folder or Hub id (default: the shipped drafter of the default model)",
+    )
+    parser.add_argument(
+        "--no-drafter", action="store_true", help="decode plainly, one token per target forward"
+    )
 
 
 def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +38,7 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
     parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None,
-                        help="stop string (repeatable)")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(gen)
     gen.add_argument("--prompt", "-p", default=DEFAULT_PROMPT)
-    gen.add_argument("--no-chat-template", action="store_true",
-                     help="send the prompt as raw text instead of a chat turn")
+    gen.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="send the prompt as raw text instead of a chat turn",
+    )
     _add_generation_arguments(gen)
     return parser
 
@@ -80,18 +86,31 @@ def run_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     last = None
     for response in stream_generate(
-        model, drafter, tokenizer, prompt, max_tokens=args.max_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        stop=args.stop, beam=beam,
+        model,
+        drafter,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        beam=beam,
     ):
         print(response.text, end="", flush=True)
         last = response
     print()
     if last is not None:
-        mode = "plain decoding" if drafter is None else f"ReDrafter W={beam.beam_width} " \
-            f"L={beam.beam_length}"
-        print(f"==========\n{mode}\n{format_summary(last, time.perf_counter() - started)}",
-              file=sys.stderr)
+        mode = (
+            "plain decoding"
+            if drafter is None
+            else f"ReDrafter W={beam.beam_width} L={beam.beam_length}"
+        )
+        print(
+            f"==========\n{mode}\n{format_summary(last, time.perf_counter() - started)}",
+            file=sys.stderr,
+        )
     return 0
 
 

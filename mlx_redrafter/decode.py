@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -106,8 +107,12 @@ def decode_step(
         beams = mx.broadcast_to(state.root_tokens[:, None, None], (len(state.row_ids), 1, 1))
     else:
         beams = beam_search(
-            drafter, model.model.embed_tokens, state.hidden, state.root_tokens,
-            beam.beam_width, beam.beam_length,
+            drafter,
+            model.model.embed_tokens,
+            state.hidden,
+            state.root_tokens,
+            beam.beam_width,
+            beam.beam_length,
         )  # (B, W, L)
     # Pack tree: each distinct prefix once, N static for this beam config.
     num_packed = beam.num_packed if beams.shape[2] > 1 else 1
@@ -122,14 +127,30 @@ def decode_step(
     state.root_tokens = result.bonus_tokens
     state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
     # The step's one host sync.
-    mx.eval(state.root_tokens, state.hidden, state.cache.arrays(), result.tokens,
-            result.num_accepted, tree.num_tokens)
-    num_accepted = result.num_accepted.tolist()
-    tokens = [row[: n + 1] for row, n in zip(result.tokens.tolist(), num_accepted)]
+    mx.eval(
+        state.root_tokens,
+        state.hidden,
+        state.cache.arrays(),
+        result.tokens,
+        result.num_accepted,
+        tree.num_tokens,
+    )
+    num_accepted = host_list(result.num_accepted)
+    tokens = [row[: n + 1] for row, n in zip(host_rows(result.tokens), num_accepted)]
     state.cache.sync_lengths(
         [length + n + 1 for length, n in zip(state.cache.host_lengths, num_accepted)]
     )
-    return StepOutput(tokens, num_accepted, tree.num_tokens.tolist())
+    return StepOutput(tokens, num_accepted, host_list(tree.num_tokens))
+
+
+def host_list(values: mx.array) -> list[int]:
+    """An evaluated (B,) integer array as a Python list."""
+    return cast(list[int], values.tolist())
+
+
+def host_rows(values: mx.array) -> list[list[int]]:
+    """An evaluated (B, K) integer array as Python lists."""
+    return cast(list[list[int]], values.tolist())
 
 
 @dataclass(frozen=True)
@@ -189,8 +210,7 @@ def speculative_decode(
         output = decode_step(model, drafter, state, beam, sampling, step_key)
         finished: dict[int, str] = {}
         emitted: list[list[int]] = []
-        for row, new_tokens, length in zip(state.row_ids, output.tokens,
-                                           state.cache.host_lengths):
+        for row, new_tokens, length in zip(state.row_ids, output.tokens, state.cache.host_lengths):
             new_tokens = new_tokens[: stop.max_tokens - generated[row]]
             for position, token in enumerate(new_tokens):
                 if token in stop.eos_token_ids:

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,7 +56,9 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "exit_dim"):
             if getattr(self, name) < 1:
-                raise DrafterError(f"drafter config: {name} must be >= 1, got {getattr(self, name)}")
+                raise DrafterError(
+                    f"drafter config: {name} must be >= 1, got {getattr(self, name)}"
+                )
         if self.num_draft_layers < 0:
             raise DrafterError(
                 f"drafter config: num_draft_layers must be >= 0, got {self.num_draft_layers}"
@@ -82,8 +84,9 @@ class DrafterConfig:
     def from_dict(cls, config: dict[str, Any]) -> DrafterConfig:
         model_type = config.get("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:
-            raise DrafterError(f"not a drafter config: model_type is {model_type!r}, "
-                               f"expected {MODEL_TYPE!r}")
+            raise DrafterError(
+                f"not a drafter config: model_type is {model_type!r}, expected {MODEL_TYPE!r}"
+            )
         missing = [k for k in ("vocab_size", "hidden_size") if k not in config]
         if missing:
             raise DrafterError(f"drafter config is missing {', '.join(missing)}")
@@ -140,8 +143,10 @@ class Drafter(nn.Module):
         self.lm_head: list[nn.Module] = [ResidualBlock(e) for _ in range(config.num_draft_layers)]
         self.lm_head.append(nn.Linear(e, config.output_size, bias=False))
         if config.draft_vocab_size is not None:
-            ids = list(range(config.draft_vocab_size)) if draft_vocab_ids is None else draft_vocab_ids
-            self.draft_vocab_ids = mx.array(ids, dtype=mx.int32)  # (Vd,)
+            ids = (
+                list(range(config.draft_vocab_size)) if draft_vocab_ids is None else draft_vocab_ids
+            )
+            self.draft_vocab_ids = mx.array(list(ids), dtype=mx.int32)  # (Vd,)
             self._check_draft_vocab()
             self.freeze(keys=[DRAFT_VOCAB_KEY], recurse=False)
         elif draft_vocab_ids is not None:
@@ -247,11 +252,11 @@ class Drafter(nn.Module):
                 f"draft_vocab_ids must have shape ({self.config.draft_vocab_size},), "
                 f"got {tuple(ids.shape)}"
             )
-        if ids.size and (ids.min().item() < 0 or ids.max().item() >= self.config.vocab_size):
+        if bool(mx.any((ids < 0) | (ids >= self.config.vocab_size)).item()):
             raise DrafterError(
                 f"draft_vocab_ids must be target token ids in [0, {self.config.vocab_size})"
             )
-        if len(set(ids.tolist())) != ids.shape[0]:
+        if len(set(cast(list[int], ids.tolist()))) != ids.shape[0]:
             raise DrafterError("draft_vocab_ids must not repeat a token id")
 
     def save(self, path: str | os.PathLike[str], overwrite: bool = False) -> Path:
@@ -296,19 +301,24 @@ class Drafter(nn.Module):
             raise DrafterError(f"{config_path} is not valid JSON: {error}") from None
         config = DrafterConfig.from_dict(raw_config)
         try:
-            weights = mx.load(str(weights_path))
+            loaded = mx.load(str(weights_path))
         except Exception as error:  # MLX raises RuntimeError/ValueError for corrupt files
             raise DrafterError(f"cannot read {weights_path}: {error}") from None
-        assert isinstance(weights, dict)
+        if not isinstance(loaded, dict):
+            raise DrafterError(f"{weights_path} does not hold named tensors")
+        weights = cast(dict[str, mx.array], loaded)
         ids = weights.pop(DRAFT_VOCAB_KEY, None)
         if config.draft_vocab_size is not None and ids is None:
-            raise DrafterError(f"{weights_path} has no {DRAFT_VOCAB_KEY} but the config "
-                               f"declares draft_vocab_size={config.draft_vocab_size}")
-        drafter = cls(config, ids.tolist() if ids is not None else None)
+            raise DrafterError(
+                f"{weights_path} has no {DRAFT_VOCAB_KEY} but the config "
+                f"declares draft_vocab_size={config.draft_vocab_size}"
+            )
+        drafter = cls(config, cast(list[int], ids.tolist()) if ids is not None else None)
         quantization = raw_config.get("quantization")
         if quantization:
             drafter.quantize(group_size=quantization["group_size"], bits=quantization["bits"])
-        expected = {k: v.shape for k, v in tree_flatten(drafter.parameters())}
+        parameters = cast(list[tuple[str, mx.array]], tree_flatten(drafter.parameters()))
+        expected = {name: tuple(value.shape) for name, value in parameters}
         expected.pop(DRAFT_VOCAB_KEY, None)
         missing = sorted(set(expected) - set(weights))
         unexpected = sorted(set(weights) - set(expected))
@@ -333,8 +343,9 @@ class Drafter(nn.Module):
             self,
             group_size=group_size,
             bits=bits,
-            class_predicate=lambda _, m: isinstance(m, nn.Linear)
-            and m.weight.shape[-1] % group_size == 0,
+            class_predicate=lambda _, m: (
+                isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0
+            ),
         )
         self.quantization = Quantization(group_size=group_size, bits=bits)
 

@@ -70,8 +70,9 @@ def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
     return tokens
 
 
-def _check_inputs(model: nn.Module, drafter: Drafter | None, prompts: list[list[int]],
-                  vocab_size: int) -> None:
+def _check_inputs(
+    model: nn.Module, drafter: Drafter | None, prompts: list[list[int]], vocab_size: int
+) -> None:
     limit = context_length(model)
     for index, tokens in enumerate(prompts):
         if limit is not None and len(tokens) >= limit:
@@ -137,7 +138,7 @@ class _RowText:
             hits = [i for s in self.stop_strings if (i := combined.find(s, window_start)) >= 0]
             if hits:
                 self.stopped = True
-                segment = combined[: min(hits)][len(self.text):]
+                segment = combined[: min(hits)][len(self.text) :]
         self.text += segment
         return segment
 
@@ -179,8 +180,12 @@ def stream_batch(
     stopped_rows: set[int] = set()
     if max_tokens == 0:
         for index, tokens in enumerate(encoded):
-            yield index, GenerationResponse("", [], 0, len(tokens), 0, 0, 0.0, 0.0, 0.0,
-                                            _peak_memory_gb(), "length")
+            yield (
+                index,
+                GenerationResponse(
+                    "", [], 0, len(tokens), 0, 0, 0.0, 0.0, 0.0, _peak_memory_gb(), "length"
+                ),
+            )
         return
     events = speculative_decode(
         model, drafter, encoded, beam_config, sampling, stop_config, cache, key, stopped_rows
@@ -197,18 +202,21 @@ def stream_batch(
             steps[row] += 1
             decode_seconds[row] += event.step_seconds
             prompt_tokens = len(encoded[row])
-            yield row, GenerationResponse(
-                text=text,
-                tokens=new_tokens,
-                num_accepted=event.num_accepted[position],
-                prompt_tokens=prompt_tokens,
-                generation_tokens=generated[row],
-                steps=steps[row],
-                tokens_per_step=generated[row] / steps[row],
-                prompt_tps=prompt_tokens / max(event.prefill_seconds, 1e-9),
-                generation_tps=generated[row] / max(decode_seconds[row], 1e-9),
-                peak_memory=_peak_memory_gb(),
-                finish_reason=finish_reason,
+            yield (
+                row,
+                GenerationResponse(
+                    text=text,
+                    tokens=new_tokens,
+                    num_accepted=event.num_accepted[position],
+                    prompt_tokens=prompt_tokens,
+                    generation_tokens=generated[row],
+                    steps=steps[row],
+                    tokens_per_step=generated[row] / steps[row],
+                    prompt_tps=prompt_tokens / max(event.prefill_seconds, 1e-9),
+                    generation_tps=generated[row] / max(decode_seconds[row], 1e-9),
+                    peak_memory=_peak_memory_gb(),
+                    finish_reason=finish_reason,
+                ),
             )
 
 
@@ -235,9 +243,20 @@ def stream_generate(
     loop. The last response has a finish_reason and carries the totals.
     """
     for _, response in stream_batch(
-        model, drafter, tokenizer, [prompt], max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, beam_width=beam_width, beam_length=beam_length, seed=seed,
-        stop=stop, beam=beam, cache=cache,
+        model,
+        drafter,
+        tokenizer,
+        [prompt],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        beam_width=beam_width,
+        beam_length=beam_length,
+        seed=seed,
+        stop=stop,
+        beam=beam,
+        cache=cache,
     ):
         yield response
 
@@ -265,9 +284,20 @@ def generate(
     last: GenerationResponse | None = None
     started = time.perf_counter()
     for response in stream_generate(
-        model, drafter, tokenizer, prompt, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, beam_width=beam_width, beam_length=beam_length, seed=seed,
-        stop=stop, beam=beam, cache=cache,
+        model,
+        drafter,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        beam_width=beam_width,
+        beam_length=beam_length,
+        seed=seed,
+        stop=stop,
+        beam=beam,
+        cache=cache,
     ):
         pieces.append(response.text)
         if verbose:
@@ -299,9 +329,20 @@ def batch_generate(
     """Generate for several prompts decoded together; one string per prompt."""
     texts = [""] * len(prompts)
     for row, response in stream_batch(
-        model, drafter, tokenizer, prompts, max_tokens=max_tokens, temperature=temperature,
-        top_p=top_p, top_k=top_k, beam_width=beam_width, beam_length=beam_length, seed=seed,
-        stop=stop, beam=beam, cache=cache,
+        model,
+        drafter,
+        tokenizer,
+        prompts,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        beam_width=beam_width,
+        beam_length=beam_length,
+        seed=seed,
+        stop=stop,
+        beam=beam,
+        cache=cache,
     ):
         texts[row] += response.text
     return texts

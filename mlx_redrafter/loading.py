@@ -21,11 +21,15 @@ class NoShippedDrafterWarning(UserWarning):
     """The default model has no trained drafter in this installation."""
 
 
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).exists()
+
+
 def load_drafter(drafter: str | os.PathLike[str]) -> Drafter:
     """A drafter from a local folder or a Hugging Face Hub id (reference format too)."""
     path = Path(drafter)
     if not path.exists():
-        if str(drafter).count("/") != 1 or str(drafter).startswith((".", "/")):
+        if _looks_local(str(drafter)):
             raise FileNotFoundError(f"no drafter folder at {path}")
         from huggingface_hub import snapshot_download
 
@@ -64,6 +68,11 @@ def load(
                 )
     else:
         model_path = str(model)
+        if _looks_local(model_path) and not Path(model_path).exists():
+            raise FileNotFoundError(
+                f"no model folder at {model_path}: give an MLX model folder (convert one with "
+                "`mlx-redrafter-convert model`) or a Hugging Face Hub id like org/name"
+            )
     loaded = load_mlx_lm(model_path)
     target, tokenizer = loaded[0], loaded[1]
     prepare_target(target)

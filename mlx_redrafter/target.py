@@ -16,6 +16,7 @@ to each row's committed context; nothing is recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -163,7 +164,10 @@ class TreeLayerCache:
         keys, values = self._store(keys), self._store(values)
         if self.keys is None or _length(self.keys) < stop:
             capacity = (stop + self.step - 1) // self.step * self.step
-            grown_keys, grown_values = self._allocate(keys, capacity), self._allocate(values, capacity)
+            grown_keys, grown_values = (
+                self._allocate(keys, capacity),
+                self._allocate(values, capacity),
+            )
             if self.keys is not None:
                 grown_keys = tree_map(_copy_prefix(start), grown_keys, self.keys)
                 grown_values = tree_map(_copy_prefix(start), grown_values, self.values)
@@ -212,7 +216,7 @@ def _length(stored: Any) -> int:
     return int(first.shape[2])
 
 
-def _copy_prefix(length: int):  # type: ignore[no-untyped-def]
+def _copy_prefix(length: int) -> Callable[[mx.array, mx.array], mx.array]:
     def copy(new: mx.array, old: mx.array) -> mx.array:
         new[..., :length, :] = old[..., :length, :]
         return new
@@ -220,7 +224,7 @@ def _copy_prefix(length: int):  # type: ignore[no-untyped-def]
     return copy
 
 
-def _write(start: int, stop: int):  # type: ignore[no-untyped-def]
+def _write(start: int, stop: int) -> Callable[[mx.array, mx.array], mx.array]:
     def write(buffer: mx.array, update: mx.array) -> mx.array:
         buffer[..., start:stop, :] = update
         return buffer

@@ -102,7 +102,7 @@ def pack_tree(beams: mx.array, num_packed: int, share_prefixes: bool = True) -> 
     on_path = depth_index[None, None, :] <= depths[:, :, None]  # (B, N, L)
     hits = (paths[..., None] == slot) & on_path[..., None]  # (B, N, L, N)
     ancestors = mx.any(hits, axis=2)  # (B, N, N)
-    ancestors = mx.where(real[:, :, None], ancestors, slot[:, None] == slot[None, :, None])
+    ancestors = mx.where(real[:, :, None], ancestors, slot[:, None] == slot[None, :])
     return PackedTree(tokens, depths, unpack, canonical, ancestors, num_tokens)
 
 

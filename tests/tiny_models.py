@@ -43,15 +43,21 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 _MODULES = {"mistral": "llama"}
 
 
-def tiny_model(family: str, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.Module:
+def tiny_model(
+    family: str,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    weight_scale: float = 3.0,
+    **overrides: Any,
+) -> nn.Module:
     """A randomly initialised mlx-lm model of `family` (fp32 by default)."""
-    config = {**_COMMON, **FAMILY_CONFIGS[family]}
+    config = {**_COMMON, **FAMILY_CONFIGS[family], **overrides}
     module = importlib.import_module(f"mlx_lm.models.{_MODULES.get(family, family)}")
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = module.Model(args)
     # Larger random weights than the default init, so logits are far from ties.
-    params = tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, model.parameters())
+    params = tree_map(lambda p: p * weight_scale if p.ndim == 2 else p, model.parameters())
     model.update(params)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
@@ -60,3 +66,16 @@ def tiny_model(family: str, seed: int = 0, dtype: mx.Dtype = mx.float32) -> nn.M
 
 def parameter_count(model: nn.Module) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB_SIZE, eos_token: str | None = None):  # type: ignore[no-untyped-def]
+    """mlx-lm's TokenizerWrapper around a word-level tokenizer with words w0..w{V-1}."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token=eos_token)
+    return TokenizerWrapper(fast)

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny mlx-lm targets, a trained tiny drafter, mlx-lm's reference decoding."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import VOCAB_SIZE, tiny_model  # noqa: E402
+
+from mlx_redrafter.config import BeamConfig, SamplingConfig, StopConfig  # noqa: E402
+from mlx_redrafter.decode import speculative_decode  # noqa: E402
+from mlx_redrafter.drafter import Drafter  # noqa: E402
+from mlx_redrafter.target import prepare_target  # noqa: E402
+from mlx_redrafter.train import FitConfig, fit  # noqa: E402
+
+
+def mlx_lm_greedy(model, prompt, max_tokens, prompt_cache=None):
+    """mlx-lm's own greedy decoding: the reference every greedy test compares with."""
+    steps = generate_step(
+        mx.array(prompt),
+        model,
+        max_tokens=max_tokens,
+        sampler=make_sampler(0.0),
+        prompt_cache=prompt_cache,
+    )
+    return [int(token) for token, _ in steps]
+
+
+def decode_tokens(
+    model,
+    drafter,
+    prompts,
+    beam,
+    max_tokens,
+    sampling=None,
+    key=None,
+    eos=frozenset(),
+    cache_config=None,
+):
+    """Run the loop; returns (tokens per prompt, events)."""
+    outputs = [[] for _ in prompts]
+    events = []
+    for event in speculative_decode(
+        model,
+        drafter,
+        prompts,
+        beam,
+        sampling or SamplingConfig(),
+        StopConfig(max_tokens=max_tokens, eos_token_ids=frozenset(eos)),
+        cache_config,
+        key,
+    ):
+        events.append(event)
+        for row, tokens in zip(event.row_ids, event.tokens):
+            outputs[row].extend(tokens)
+    return outputs, events
+
+
+def random_prompts(count, seed=0, vocab_size=VOCAB_SIZE, lengths=(1, 9)):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def trained_llama():
+    """A tiny llama, a drafter trained on its own greedy continuations of `prompts`,
+    and those prompts (on which the drafter is accepted often: tau well above 1)."""
+    model = prepare_target(tiny_model("llama"))
+    prompts = random_prompts(48, seed=1, lengths=(2, 8))
+    continuations, _ = decode_tokens(model, None, prompts, BeamConfig(1, 1), max_tokens=40)
+    sequences = [p + c for p, c in zip(prompts, continuations)]
+    drafter = Drafter.create(model)
+    fit(model, drafter, sequences, FitConfig(num_steps=4, iterations=300))
+    return model, drafter, prompts

@@ -1,0 +1,178 @@
+"""The public API: generate, stream_generate, batch_generate, errors, and the CLI."""
+
+import mlx.core as mx
+import pytest
+from conftest import mlx_lm_greedy
+from tiny_models import tiny_model, tiny_tokenizer
+
+import mlx_redrafter
+from mlx_redrafter import Drafter, batch_generate, generate, stream_generate
+from mlx_redrafter.cli import main as cli_main
+
+
+@pytest.fixture(scope="module")
+def setup(trained_llama):
+    model, drafter, prompts = trained_llama
+    return model, drafter, tiny_tokenizer(), prompts
+
+
+def words(tokens):
+    return " ".join(f"w{t}" for t in tokens)
+
+
+def test_generate_text_equals_mlx_lm_greedy(setup):
+    model, drafter, tokenizer, prompts = setup
+    prompt = prompts[0]
+    text = generate(model, drafter, tokenizer, prompt, max_tokens=30, beam_width=3, beam_length=4)
+    assert text == words(mlx_lm_greedy(model, prompt, 30))
+    # A string prompt is tokenized the way mlx-lm does it.
+    assert generate(model, drafter, tokenizer, words(prompt), max_tokens=30) == text
+
+
+def test_stream_generate_reports_steps_and_totals(setup):
+    model, drafter, tokenizer, prompts = setup
+    responses = list(
+        stream_generate(
+            model, drafter, tokenizer, prompts[1], max_tokens=40, beam_width=4, beam_length=5
+        )
+    )
+    tokens = [t for r in responses for t in r.tokens]
+    assert tokens == mlx_lm_greedy(model, prompts[1], 40)
+    assert all(len(r.tokens) == r.num_accepted + 1 for r in responses[:-1])
+    last = responses[-1]
+    assert last.finish_reason == "length"
+    assert all(r.finish_reason is None for r in responses[:-1])
+    assert last.generation_tokens == 40
+    assert last.steps == len(responses)
+    assert last.tokens_per_step == pytest.approx(40 / len(responses))
+    assert last.tokens_per_step > 1.5
+    assert last.prompt_tokens == len(prompts[1])
+    assert last.prompt_tps > 0 and last.generation_tps > 0 and last.peak_memory > 0
+    assert "".join(r.text for r in responses).strip() == words(tokens)
+
+
+def test_drafter_none_is_the_plain_baseline(setup):
+    model, _, tokenizer, prompts = setup
+    responses = list(stream_generate(model, None, tokenizer, prompts[2], max_tokens=12))
+    assert [r.tokens for r in responses] == [[t] for t in mlx_lm_greedy(model, prompts[2], 12)]
+    assert responses[-1].tokens_per_step == 1.0
+
+
+def test_batch_generate_equals_generate(setup):
+    model, drafter, tokenizer, prompts = setup
+    batch = [prompts[3], prompts[4][:1], prompts[5]]
+    texts = batch_generate(model, drafter, tokenizer, batch, max_tokens=25)
+    assert texts == [generate(model, drafter, tokenizer, p, max_tokens=25) for p in batch]
+
+
+def test_stop_at_eos_and_stop_strings(setup):
+    model, drafter, _, prompts = setup
+    reference = mlx_lm_greedy(model, prompts[0], 30)
+    eos = reference[8]
+    tokenizer = tiny_tokenizer(eos_token=f"w{eos}")
+    responses = list(stream_generate(model, drafter, tokenizer, prompts[0], max_tokens=30))
+    assert responses[-1].finish_reason == "stop"
+    assert [t for r in responses for t in r.tokens] == reference[: reference.index(eos)]
+    stop_word = f" w{reference[12]}"
+    text = generate(model, drafter, tiny_tokenizer(), prompts[0], max_tokens=30, stop=stop_word)
+    full = words(reference)
+    assert text == full[: full.index(stop_word)]
+
+
+def test_sampling_through_the_api_is_seeded(setup):
+    model, drafter, tokenizer, prompts = setup
+    first = generate(
+        model,
+        drafter,
+        tokenizer,
+        prompts[0],
+        max_tokens=20,
+        temperature=1.0,
+        top_p=0.9,
+        top_k=10,
+        seed=7,
+    )
+    again = generate(
+        model,
+        drafter,
+        tokenizer,
+        prompts[0],
+        max_tokens=20,
+        temperature=1.0,
+        top_p=0.9,
+        top_k=10,
+        seed=7,
+    )
+    assert first == again and len(first.split()) == 20
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_length": 0}, "beam_length"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"max_tokens": -3}, "max_tokens"),
+    ],
+)
+def test_invalid_arguments_say_what_to_change(setup, kwargs, message):
+    model, drafter, tokenizer, prompts = setup
+    with pytest.raises(ValueError, match=message):
+        generate(model, drafter, tokenizer, prompts[0], **kwargs)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(setup):
+    model, drafter, tokenizer, _ = setup
+    with pytest.raises(ValueError, match="context is 512"):
+        generate(model, drafter, tokenizer, [1] * 600)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, drafter, tokenizer, [])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, drafter, tokenizer, [1, 99999])
+
+
+def test_drafter_that_does_not_fit_is_refused(setup):
+    model, _, tokenizer, prompts = setup
+    other = tiny_model("llama", hidden_size=48, num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="hidden_size 48 does not match"):
+        generate(model, Drafter.create(other), tokenizer, prompts[0], max_tokens=4)
+    bigger = tiny_model("llama", vocab_size=80)
+    with pytest.raises(ValueError, match="vocabulary"):
+        generate(model, Drafter.create(bigger), tokenizer, prompts[0], max_tokens=4)
+
+
+def test_reduced_draft_vocabulary_decodes_losslessly(setup):
+    model, _, tokenizer, prompts = setup
+    reference = mlx_lm_greedy(model, prompts[0], 20)
+    drafter = Drafter.create(model, draft_vocab_ids=sorted(set(reference))[:8] + [60, 61])
+    assert drafter.config.draft_vocab_size == 10
+    out = list(
+        stream_generate(
+            model, drafter, tokenizer, prompts[0], max_tokens=20, beam_width=3, beam_length=3
+        )
+    )
+    assert [t for r in out for t in r.tokens] == reference
+    with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
+        generate(model, drafter, tokenizer, prompts[0], beam_width=11, beam_length=2)
+
+
+def test_load_from_folders(tmp_path, setup):
+    model, drafter, _, _ = setup
+    drafter.save(tmp_path / "drafter")
+    loaded = mlx_redrafter.load_drafter(tmp_path / "drafter")
+    hidden = mx.ones((2, 32))
+    state = mx.ones((2, 32)) * 0.5
+    assert mx.array_equal(loaded.draft_logits(hidden, state), drafter.draft_logits(hidden, state))
+    with pytest.raises(FileNotFoundError):
+        mlx_redrafter.load_drafter(tmp_path / "missing")
+
+
+def test_cli_reports_bad_input_without_a_traceback(capsys, tmp_path):
+    code = cli_main(["generate", "--model", str(tmp_path / "nope"), "--max-tokens", "2"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.startswith("error: ")
+    assert "Traceback" not in captured.err

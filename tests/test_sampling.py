@@ -1,0 +1,178 @@
+"""Sampled speculative decoding is distributed exactly as plain sampling from the target.
+
+The target is a tiny model with a 6-token vocabulary. The exact distribution of
+its first three sampled tokens (216 outcomes) is computed by enumerating every
+prefix with mlx-lm's own sampling filters; thousands of rows decoded together
+with a trained drafter must fit it (chi-square). A deliberately inexact
+acceptance (independent samples at duplicate copies of a prefix, the flaw of the
+reference's per-beam rule) must fail the same test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import mlx.core as mx
+import pytest
+from conftest import decode_tokens
+from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from tiny_models import tiny_model
+
+import mlx_redrafter.decode as decode_module
+from mlx_redrafter.accept import accept
+from mlx_redrafter.config import BeamConfig, SamplingConfig
+from mlx_redrafter.drafter import Drafter
+from mlx_redrafter.sampling import filter_top_k, filter_top_p
+from mlx_redrafter.target import prepare_target
+from mlx_redrafter.train import FitConfig, fit
+
+VOCAB = 6
+LENGTH = 3
+PROMPT = [1, 4, 2]
+SAMPLES = 3000
+
+
+def exact_distribution(model, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3 | prompt) by enumeration, with mlx-lm's filters and temperature."""
+
+    def conditional(prefix):
+        logits = model(mx.array([PROMPT + list(prefix)]))[0, -1]
+        logprobs = logits - mx.logsumexp(logits)
+        if sampling.top_p < 1:
+            logprobs = apply_top_p(logprobs[None], sampling.top_p)[0]
+        if sampling.top_k > 0:
+            logprobs = apply_top_k(logprobs[None], sampling.top_k)[0]
+        return mx.softmax(logprobs / sampling.temperature).tolist()
+
+    probabilities = {}
+    cache = {}
+    for sequence in itertools.product(range(VOCAB), repeat=LENGTH):
+        p = 1.0
+        for k in range(LENGTH):
+            prefix = sequence[:k]
+            if prefix not in cache:
+                cache[prefix] = conditional(prefix)
+            p *= cache[prefix][sequence[k]]
+        probabilities[sequence] = p
+    return probabilities
+
+
+def chi_square_p_value(counts, probabilities, total) -> float:
+    """Pearson's test, pooling outcomes with expected count < 5; Wilson-Hilferty tail."""
+    statistic, bins, pooled_observed, pooled_expected = 0.0, 0, 0, 0.0
+    for outcome, p in probabilities.items():
+        expected = p * total
+        if expected < 5:
+            pooled_observed += counts.get(outcome, 0)
+            pooled_expected += expected
+            continue
+        statistic += (counts.get(outcome, 0) - expected) ** 2 / expected
+        bins += 1
+    if pooled_expected > 0:
+        statistic += (pooled_observed - pooled_expected) ** 2 / max(pooled_expected, 1e-9)
+        bins += 1
+    dof = bins - 1
+    z = ((statistic / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target():
+    model = prepare_target(
+        tiny_model("llama", vocab_size=VOCAB, weight_scale=2.0, seed=3, tie_word_embeddings=False)
+    )
+    # Train the drafter on the target's own samples so drafts are often accepted.
+    sampling = SamplingConfig(temperature=1.0)
+    prompts = [PROMPT] * 256
+    outputs, _ = decode_tokens(
+        model, None, prompts, BeamConfig(1, 1), 12, sampling=sampling, key=mx.random.key(0)
+    )
+    drafter = Drafter.create(model)
+    fit(model, drafter, [PROMPT + o for o in outputs], FitConfig(num_steps=2, iterations=150))
+    return model, drafter
+
+
+def sample_sequences(model, drafter, sampling, beam, seed):
+    outputs, events = decode_tokens(
+        model, drafter, [PROMPT] * SAMPLES, beam, LENGTH, sampling=sampling, key=mx.random.key(seed)
+    )
+    counts: dict[tuple[int, ...], int] = {}
+    for output in outputs:
+        counts[tuple(output)] = counts.get(tuple(output), 0) + 1
+    accepted = sum(sum(e.num_accepted) for e in events)
+    return counts, accepted
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0),
+        SamplingConfig(temperature=0.7, top_k=4),
+        SamplingConfig(temperature=1.3, top_p=0.8),
+    ],
+    ids=["t1", "t0.7-topk4", "t1.3-topp0.8"],
+)
+def test_speculative_sampling_matches_the_target_distribution(small_vocab_target, sampling):
+    model, drafter = small_vocab_target
+    expected = exact_distribution(model, sampling)
+    counts, accepted = sample_sequences(model, drafter, sampling, BeamConfig(3, 3), seed=1)
+    assert accepted > SAMPLES // 2, "drafts must be accepted often for the test to mean much"
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+    # Filtered tokens never appear.
+    impossible = {o for o, p in expected.items() if p == 0.0}
+    assert not impossible & set(counts)
+
+
+def test_unshared_tree_sampling_is_exact(small_vocab_target):
+    model, drafter = small_vocab_target
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(model, sampling)
+    beam = BeamConfig(3, 3, share_prefixes=False)
+    counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2)
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+
+
+def test_the_test_catches_inexact_acceptance(small_vocab_target, monkeypatch):
+    """Independent draws at duplicate copies of a prefix favour acceptance: rejected."""
+    model, drafter = small_vocab_target
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(model, sampling)
+
+    def per_copy_acceptance(beams, unpack, canonical, choices):
+        return accept(beams, unpack, unpack, choices)
+
+    monkeypatch.setattr(decode_module, "accept", per_copy_acceptance)
+    beam = BeamConfig(3, 3, share_prefixes=False)
+    counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2)
+    assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
+
+
+def test_fixed_seed_is_reproducible(small_vocab_target):
+    model, drafter = small_vocab_target
+    sampling = SamplingConfig(temperature=1.0)
+    first = decode_tokens(
+        model, drafter, [PROMPT] * 4, BeamConfig(3, 3), 8, sampling=sampling, key=mx.random.key(42)
+    )[0]
+    second = decode_tokens(
+        model, drafter, [PROMPT] * 4, BeamConfig(3, 3), 8, sampling=sampling, key=mx.random.key(42)
+    )[0]
+    third = decode_tokens(
+        model, drafter, [PROMPT] * 4, BeamConfig(3, 3), 8, sampling=sampling, key=mx.random.key(43)
+    )[0]
+    assert first == second
+    assert first != third
+
+
+def test_filters_agree_with_mlx_lm():
+    mx.random.seed(0)
+    logits = mx.random.normal((16, 50)) * 3
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        ours = mx.isinf(filter_top_p(logprobs, top_p))
+        theirs = mx.isinf(apply_top_p(logprobs, top_p))
+        assert mx.array_equal(ours, theirs).item()
+    for top_k in (1, 5, 49):
+        assert mx.array_equal(
+            mx.isinf(filter_top_k(logprobs, top_k)), mx.isinf(apply_top_k(logprobs, top_k))
+        ).item()

@@ -1,0 +1,120 @@
+"""Tree packing, unpacking, masks and positions on small literal examples (docs/tree.md)."""
+
+import mlx.core as mx
+import pytest
+
+from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.tree import (
+    attention_mask,
+    chain_tree,
+    pack_tree,
+    prefix_owners,
+    sliding_window_mask,
+    tree_positions,
+)
+
+BEAMS = mx.array([[[5, 7, 9], [5, 7, 2], [5, 3, 9]]])  # (B=1, W=3, L=3)
+
+
+def test_prefix_owners_name_the_first_beam_with_each_prefix():
+    assert prefix_owners(BEAMS).tolist() == [[[0, 0, 0], [0, 0, 1], [0, 2, 2]]]
+
+
+def test_pack_tree_worked_example():
+    tree = pack_tree(BEAMS, num_packed=6)
+    assert tree.tokens.tolist() == [[5, 7, 9, 2, 3, 9]]
+    assert tree.depths.tolist() == [[0, 1, 2, 2, 1, 2]]
+    assert tree.unpack.tolist() == [[[0, 1, 2], [0, 1, 3], [0, 4, 5]]]
+    assert tree.canonical.tolist() == tree.unpack.tolist()
+    assert tree.num_tokens.tolist() == [6]
+    # Compression N / (W*L) = 6 / 9.
+    assert tree.num_tokens.item() / BEAMS.size == pytest.approx(2 / 3)
+
+
+def test_ancestor_mask_worked_example():
+    tree = pack_tree(BEAMS, num_packed=6)
+    expected = [
+        [1, 0, 0, 0, 0, 0],  # 5   root
+        [1, 1, 0, 0, 0, 0],  # 7   <- 5
+        [1, 1, 1, 0, 0, 0],  # 9   <- 7 <- 5
+        [1, 1, 0, 1, 0, 0],  # 2   <- 7 <- 5
+        [1, 0, 0, 0, 1, 0],  # 3   <- 5
+        [1, 0, 0, 0, 1, 1],  # 9   <- 3 <- 5
+    ]
+    assert tree.ancestors.astype(mx.int32).tolist() == [expected]
+
+
+def test_unpacking_gathers_every_beam_back():
+    tree = pack_tree(BEAMS, num_packed=6)
+    gathered = mx.take_along_axis(tree.tokens, tree.unpack.reshape(1, -1), axis=-1)
+    assert gathered.reshape(BEAMS.shape).tolist() == BEAMS.tolist()
+
+
+def test_positions_are_committed_length_plus_depth():
+    tree = pack_tree(BEAMS, num_packed=6)
+    assert tree_positions(tree, mx.array([10])).tolist() == [[10, 11, 12, 12, 11, 12]]
+
+
+def test_padding_rows_of_a_batch():
+    beams = mx.concatenate([BEAMS, mx.array([[[4, 4, 4], [4, 4, 4], [4, 4, 4]]])])  # (2, 3, 3)
+    tree = pack_tree(beams, num_packed=7)
+    assert tree.num_tokens.tolist() == [6, 3]
+    assert tree.tokens.tolist() == [[5, 7, 9, 2, 3, 9, 0], [4, 4, 4, 0, 0, 0, 0]]
+    assert tree.depths.tolist()[1] == [0, 1, 2, 0, 0, 0, 0]
+    assert tree.unpack.tolist()[1] == [[0, 1, 2]] * 3
+    # Padding attends only to itself, so it never reads or is read by real tokens.
+    row = tree.ancestors[1].astype(mx.int32).tolist()
+    assert row[3] == [0, 0, 0, 1, 0, 0, 0]
+    assert [r[3] for r in row[:3]] == [0, 0, 0]
+
+
+def test_without_prefix_sharing_every_token_is_verified_but_choices_follow_first_copy():
+    tree = pack_tree(BEAMS, num_packed=9, share_prefixes=False)
+    assert tree.tokens.tolist() == [[5, 7, 9, 5, 7, 2, 5, 3, 9]]
+    assert tree.unpack.tolist() == [[[0, 1, 2], [3, 4, 5], [6, 7, 8]]]
+    assert tree.canonical.tolist() == [[[0, 1, 2], [0, 1, 5], [0, 7, 8]]]
+    assert tree.ancestors[0, 5].astype(mx.int32).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+
+
+def test_tree_budget_cuts_the_last_beams_tails():
+    tree = pack_tree(BEAMS, num_packed=4)
+    assert tree.tokens.tolist() == [[5, 7, 9, 2]]
+    assert tree.num_tokens.tolist() == [6]  # distinct prefixes, before the cut
+    # Beam 2's nodes 4 and 5 are out of the budget: unpack points past N.
+    assert tree.unpack.tolist() == [[[0, 1, 2], [0, 1, 3], [0, 4, 5]]]
+    assert (tree.unpack < 4).tolist() == [[[True] * 3, [True] * 3, [True, False, False]]]
+
+
+def test_attention_mask_hides_stale_slots_of_shorter_rows():
+    beams = mx.array([[[1, 2]], [[3, 4]]])  # (B=2, W=1, L=2)
+    tree = pack_tree(beams, num_packed=2)
+    lengths = mx.array([3, 1])
+    mask = attention_mask(tree, lengths, frontier=3)  # (2, 1, 2, 5)
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].astype(mx.int32).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert mask[1, 0].astype(mx.int32).tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 1, 1]]
+    assert tree_positions(tree, lengths).tolist() == [[3, 4], [1, 2]]
+
+
+def test_sliding_window_mask_counts_positions_not_slots():
+    beams = mx.array([[[1, 2]]])
+    tree = pack_tree(beams, num_packed=2)
+    lengths = mx.array([4])
+    mask = attention_mask(tree, lengths, frontier=4)
+    positions = tree_positions(tree, lengths)  # [[4, 5]]
+    windowed = sliding_window_mask(mask, positions, lengths, frontier=4, window_size=3)
+    # Position 4 sees positions 2, 3, 4; position 5 sees 3, 4, 5.
+    assert windowed[0, 0].astype(mx.int32).tolist() == [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+
+
+def test_chain_tree_is_causal():
+    tree = chain_tree(mx.array([[4, 5, 6]]))
+    assert tree.depths.tolist() == [[0, 1, 2]]
+    assert tree.ancestors.astype(mx.int32).tolist() == [[[1, 0, 0], [1, 1, 0], [1, 1, 1]]]
+
+
+def test_beam_config_sizes():
+    assert BeamConfig(3, 3).num_packed == 7
+    assert BeamConfig(3, 3, share_prefixes=False).num_packed == 9
+    assert BeamConfig(3, 3, tree_budget=5).num_packed == 5
+    assert BeamConfig(1, 1).num_packed == 1
