@@ -1,44 +1,14 @@
-"""The `mlx-redrafter` command."""
+"""The `mlx-redrafter` command: a dispatcher over `mlx_redrafter.commands`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-import warnings
 from collections.abc import Sequence
 
-from .config import BeamConfig
+from .commands import COMMANDS
 from .drafter import DrafterError
-from .generate import DEFAULT_BEAM, format_summary, stream_generate
-from .loading import NoShippedDrafterWarning, load
 from .target import UnsupportedModelError
-
-DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
-
-
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", help="MLX model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument(
-        "--drafter",
-        help="drafter folder or Hub id (default: the shipped drafter of the default model)",
-    )
-    parser.add_argument(
-        "--no-drafter", action="store_true", help="decode plainly, one token per target forward"
-    )
-
-
-def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
-    parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,87 +17,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="ReDrafter speculative decoding for mlx-lm models.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser(
-        "generate",
-        help="generate a reply to one prompt",
-        description="Generate a reply, streamed, then print tau (tokens per target step) "
-        "and speed.",
-        epilog="example: mlx-redrafter generate --prompt 'Write a haiku about the sea.'",
-    )
-    _add_model_arguments(gen)
-    gen.add_argument("--prompt", "-p", default=DEFAULT_PROMPT)
-    gen.add_argument(
-        "--no-chat-template",
-        action="store_true",
-        help="send the prompt as raw text instead of a chat turn",
-    )
-    _add_generation_arguments(gen)
+    for command in COMMANDS:
+        command.register(commands)
     return parser
 
 
-def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | list[int]:
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if not use_template or apply is None or getattr(tokenizer, "chat_template", None) is None:
-        return prompt
-    messages = [{"role": "user", "content": prompt}]
-    return list(apply(messages, add_generation_prompt=True))
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
-    for warning in caught:
-        print(f"note: {warning.message}", file=sys.stderr)
-    if args.no_drafter:
-        drafter = None
-    prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
-    beam = BeamConfig(args.beam_width, args.beam_length)
-    started = time.perf_counter()
-    last = None
-    for response in stream_generate(
-        model,
-        drafter,
-        tokenizer,
-        prompt,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        beam=beam,
-    ):
-        print(response.text, end="", flush=True)
-        last = response
-    print()
-    if last is not None:
-        mode = (
-            "plain decoding"
-            if drafter is None
-            else f"ReDrafter W={beam.beam_width} L={beam.beam_length}"
-        )
-        print(
-            f"==========\n{mode}\n{format_summary(last, time.perf_counter() - started)}",
-            file=sys.stderr,
-        )
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            return run_generate(args)
-    except (ValueError, FileNotFoundError, DrafterError, UnsupportedModelError) as error:
+        return int(args.run(args))
+    except (
+        ValueError,
+        FileNotFoundError,
+        FileExistsError,
+        DrafterError,
+        UnsupportedModelError,
+    ) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
-    parser.error(f"unknown command {args.command}")
-    return 2
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ def test_mt_bench_greedy_is_identical_to_mlx_lm(smollm2):
     model, tokenizer = smollm2
     prompts = [chat(tokenizer, q) for q in mt_bench_first_turns(NUM_PROMPTS)]
     references = [
-        [r.token for r in mlx_lm_stream_generate(model, tokenizer, p, max_tokens=MAX_TOKENS,
-                                                 sampler=make_sampler(0.0))]
+        [
+            r.token
+            for r in mlx_lm_stream_generate(
+                model, tokenizer, p, max_tokens=MAX_TOKENS, sampler=make_sampler(0.0)
+            )
+        ]
         for p in prompts
     ]
     prepare_target(model)
@@ -42,8 +46,13 @@ def test_mt_bench_greedy_is_identical_to_mlx_lm(smollm2):
     drafter = Drafter.create(model, draft_vocab_size=4096)  # random: tau ~ 1, still lossless
     beam = BeamConfig(beam_width=2, beam_length=3)
     for prompt, reference in zip(prompts, references):
-        tokens = [t for r in stream_generate(model, drafter, tokenizer, prompt,
-                                             max_tokens=MAX_TOKENS, beam=beam) for t in r.tokens]
+        tokens = [
+            t
+            for r in stream_generate(
+                model, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS, beam=beam
+            )
+            for t in r.tokens
+        ]
         # mlx-lm yields the EOS token itself; we stop before it.
         expected = [t for t in reference if t not in tokenizer.eos_token_ids]
         assert tokens == expected

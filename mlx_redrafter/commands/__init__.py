@@ -1,0 +1,9 @@
+"""Subcommands of `mlx-redrafter`, one module each.
+
+Each module has `register(commands)`, which adds its subparser and sets
+`run=<function(args) -> exit code>` as the parser default.
+"""
+
+from . import generate
+
+COMMANDS = [generate]

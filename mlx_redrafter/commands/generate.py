@@ -1,0 +1,108 @@
+"""`mlx-redrafter generate`: one prompt, streamed, with tau and speed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from typing import Any
+
+from ..config import BeamConfig
+from ..generate import DEFAULT_BEAM, format_summary, stream_generate
+from ..loading import NoShippedDrafterWarning, load
+
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", help="MLX model folder or Hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--drafter",
+        help="drafter folder or Hub id (default: the shipped drafter of the default model)",
+    )
+    parser.add_argument(
+        "--no-drafter", action="store_true", help="decode plainly, one token per target forward"
+    )
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
+    parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def register(commands: Any) -> None:
+    """Add the `generate` subcommand to the `mlx-redrafter` parser."""
+    gen = commands.add_parser(
+        "generate",
+        help="generate a reply to one prompt",
+        description="Generate a reply, streamed, then print tau (tokens per target step) "
+        "and speed.",
+        epilog="example: mlx-redrafter generate --prompt 'Write a haiku about the sea.'",
+    )
+    add_model_arguments(gen)
+    gen.add_argument("--prompt", "-p", default=DEFAULT_PROMPT)
+    gen.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="send the prompt as raw text instead of a chat turn",
+    )
+    add_generation_arguments(gen)
+    gen.set_defaults(run=run)
+
+
+def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | list[int]:
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if not use_template or apply is None or getattr(tokenizer, "chat_template", None) is None:
+        return prompt
+    messages = [{"role": "user", "content": prompt}]
+    return list(apply(messages, add_generation_prompt=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoShippedDrafterWarning)
+        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
+    for warning in caught:
+        print(f"note: {warning.message}", file=sys.stderr)
+    if args.no_drafter:
+        drafter = None
+    prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
+    beam = BeamConfig(args.beam_width, args.beam_length)
+    started = time.perf_counter()
+    last = None
+    for response in stream_generate(
+        model,
+        drafter,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        beam=beam,
+    ):
+        print(response.text, end="", flush=True)
+        last = response
+    print()
+    if last is not None:
+        mode = (
+            "plain decoding"
+            if drafter is None
+            else f"ReDrafter W={beam.beam_width} L={beam.beam_length}"
+        )
+        print(
+            f"==========\n{mode}\n{format_summary(last, time.perf_counter() - started)}",
+            file=sys.stderr,
+        )
+    return 0
