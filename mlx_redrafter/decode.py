@@ -159,6 +159,8 @@ class DecodeEvent:
 
     row_ids: the requests that took part in this step.
     tokens: the new tokens of each of those rows (may be empty once a row stops).
+    num_emitted: tokens the target produced for each row that count towards tau: the
+        kept tokens, plus the EOS token when the row stopped on one.
     num_accepted: drafted tokens the target accepted for each row.
     tree_sizes: distinct prefixes in each row's tree (N before padding).
     finished: rows that ended this step, with "stop" (EOS) or "length".
@@ -167,6 +169,7 @@ class DecodeEvent:
 
     row_ids: list[int]
     tokens: list[list[int]]
+    num_emitted: list[int]
     num_accepted: list[int]
     tree_sizes: list[int]
     finished: dict[int, str] = field(default_factory=dict)
@@ -210,6 +213,7 @@ def speculative_decode(
         output = decode_step(model, drafter, state, beam, sampling, step_key)
         finished: dict[int, str] = {}
         emitted: list[list[int]] = []
+        counted: list[int] = []
         for row, new_tokens, length in zip(state.row_ids, output.tokens, state.cache.host_lengths):
             new_tokens = new_tokens[: stop.max_tokens - generated[row]]
             for position, token in enumerate(new_tokens):
@@ -224,9 +228,11 @@ def speculative_decode(
             ):
                 finished[row] = "length"
             emitted.append(new_tokens)
+            counted.append(len(new_tokens) + (finished.get(row) == "stop"))
         yield DecodeEvent(
             row_ids=list(state.row_ids),
             tokens=emitted,
+            num_emitted=counted,
             num_accepted=output.num_accepted,
             tree_sizes=output.tree_sizes,
             finished=finished,

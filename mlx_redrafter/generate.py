@@ -36,7 +36,8 @@ class GenerationResponse:
     prompt_tokens: tokens in the prompt.
     generation_tokens: tokens generated so far.
     steps: target verification forwards so far.
-    tokens_per_step: tau, generation_tokens / steps (counting the bonus token).
+    tokens_per_step: tau, tokens the target produced per verification forward so far,
+        counting the bonus token (and a final EOS token, which is not in the text).
     prompt_tps: prefill tokens per second.
     generation_tps: decoding tokens per second so far (excluding prefill).
     peak_memory: peak memory in GB so far.
@@ -175,6 +176,7 @@ def stream_batch(
     key = mx.random.key(seed if seed is not None else secrets.randbits(32))
     rows = [_RowText(tokenizer, stop_config.stop_strings) for _ in encoded]
     generated = [0] * len(encoded)
+    produced = [0] * len(encoded)  # generated, plus a final EOS: the numerator of tau
     steps = [0] * len(encoded)
     decode_seconds = [0.0] * len(encoded)
     stopped_rows: set[int] = set()
@@ -199,6 +201,7 @@ def stream_batch(
                 finish_reason = "stop"
                 stopped_rows.add(row)
             generated[row] += len(new_tokens)
+            produced[row] += event.num_emitted[position]
             steps[row] += 1
             decode_seconds[row] += event.step_seconds
             prompt_tokens = len(encoded[row])
@@ -211,7 +214,7 @@ def stream_batch(
                     prompt_tokens=prompt_tokens,
                     generation_tokens=generated[row],
                     steps=steps[row],
-                    tokens_per_step=generated[row] / steps[row],
+                    tokens_per_step=produced[row] / steps[row],
                     prompt_tps=prompt_tokens / max(event.prefill_seconds, 1e-9),
                     generation_tps=generated[row] / max(decode_seconds[row], 1e-9),
                     peak_memory=_peak_memory_gb(),

@@ -73,6 +73,9 @@ def test_stop_at_eos_and_stop_strings(setup):
     responses = list(stream_generate(model, drafter, tokenizer, prompts[0], max_tokens=30))
     assert responses[-1].finish_reason == "stop"
     assert [t for r in responses for t in r.tokens] == reference[: reference.index(eos)]
+    # tau counts the EOS token the target produced, though it is not in the text.
+    produced = reference.index(eos) + 1
+    assert responses[-1].tokens_per_step == pytest.approx(produced / len(responses))
     stop_word = f" w{reference[12]}"
     text = generate(model, drafter, tiny_tokenizer(), prompts[0], max_tokens=30, stop=stop_word)
     full = words(reference)
