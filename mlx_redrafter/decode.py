@@ -11,20 +11,20 @@ the tree is the single root token, and every step emits the target's choice.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .accept import accept
+from .accept import Acceptance, accept
 from .beam_search import beam_search
 from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .drafter import Drafter
 from .sampling import choose_tokens
 from .target import TargetCache, context_length, target_forward, target_hidden
-from .tree import chain_tree, pack_tree
+from .tree import PackedTree, chain_tree, pack_tree
 
 
 @dataclass
@@ -91,37 +91,78 @@ def prefill(
     return DecodeState(cache, root_tokens, hidden, list(range(batch_size)))
 
 
+@dataclass(frozen=True)
+class StepFunctions:
+    """The per-step device functions for one (drafter, beam config), built once.
+
+    draft: (hidden (B, D), root_tokens (B,)) -> beams (B, W, L)
+    pack: beams (B, W, L) -> PackedTree with N = beam.num_packed
+    accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
+    """
+
+    draft: Callable[[mx.array, mx.array], mx.array]
+    pack: Callable[[mx.array], PackedTree]
+    accept: Callable[[mx.array, mx.array, mx.array, mx.array], Acceptance]
+
+
+def compile_by_default() -> bool:
+    """Compile the hot path on the GPU (Metal), where fusing many small kernels pays;
+    on the CPU backend it measured no gain (docs/performance.md)."""
+    return mx.default_device() == mx.gpu
+
+
+def step_functions(
+    model: nn.Module, drafter: Drafter | None, beam: BeamConfig, compiled: bool | None = None
+) -> StepFunctions:
+    """Build the draft, pack and accept functions of a decoding session.
+
+    Without a drafter (or with L = 1) the tree is the root token alone: plain decoding.
+    compiled: wrap them in mx.compile (None: `compile_by_default()`).
+    """
+    compiled = compile_by_default() if compiled is None else compiled
+    embed = model.model.embed_tokens
+    if drafter is None or beam.beam_length == 1:
+
+        def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+            return root_tokens[:, None, None]  # (B, 1, 1)
+
+        num_packed, share_prefixes = 1, True
+    else:
+
+        def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+            return beam_search(
+                drafter, embed, hidden, root_tokens, beam.beam_width, beam.beam_length
+            )
+
+        num_packed, share_prefixes = beam.num_packed, beam.share_prefixes
+        if compiled:
+            draft = mx.compile(draft, inputs=[drafter.state, embed.state])
+
+    def pack(beams: mx.array) -> PackedTree:
+        return pack_tree(beams, num_packed, share_prefixes)
+
+    if compiled:
+        return StepFunctions(draft, mx.compile(pack), mx.compile(accept))
+    return StepFunctions(draft, pack, accept)
+
+
 def decode_step(
     model: nn.Module,
-    drafter: Drafter | None,
+    steps: StepFunctions,
     state: DecodeState,
-    beam: BeamConfig,
     sampling: SamplingConfig,
     key: mx.array | None,
 ) -> StepOutput:
     """One speculative step for every row, with exactly one host sync at the end."""
-    if drafter is None:
-        beam = PLAIN_DECODING
     # Draft: W beams of L tokens, each opened by the row's root token.
-    if drafter is None or beam.beam_length == 1:
-        beams = mx.broadcast_to(state.root_tokens[:, None, None], (len(state.row_ids), 1, 1))
-    else:
-        beams = beam_search(
-            drafter,
-            model.model.embed_tokens,
-            state.hidden,
-            state.root_tokens,
-            beam.beam_width,
-            beam.beam_length,
-        )  # (B, W, L)
+    beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
     # Pack tree: each distinct prefix once, N static for this beam config.
-    num_packed = beam.num_packed if beams.shape[2] > 1 else 1
-    tree = pack_tree(beams, num_packed, beam.share_prefixes)
+    tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
     choices = choose_tokens(logits, sampling, key)  # (B, N)
     # Accept: walk the tree along the target's choices.
-    result = accept(beams, tree.unpack, tree.canonical, choices)
+    result = steps.accept(beams, tree.unpack, tree.canonical, choices)
     # Commit cache: keep the root and the accepted nodes' K/V.
     state.cache.commit(result.path, result.num_accepted + 1)
     state.root_tokens = result.bonus_tokens
@@ -187,12 +228,14 @@ def speculative_decode(
     cache_config: CacheConfig | None = None,
     key: mx.array | None = None,
     stopped_rows: set[int] | None = None,
+    compiled: bool | None = None,
 ) -> Iterator[DecodeEvent]:
     """Decode a batch of token-id prompts together; yields one event per step.
 
     A consumer that decides a row must end (a stop string, a closed client) adds
     its index to `stopped_rows`; the row leaves the batch before the next step.
-    `key` is the MLX PRNG key for sampling (split once per step).
+    `key` is the MLX PRNG key for sampling (split once per step). `compiled` forces
+    mx.compile on or off for the draft/pack/accept functions (default: on the GPU only).
     """
     cache_config = cache_config or CacheConfig()
     stopped_rows = stopped_rows if stopped_rows is not None else set()
@@ -200,6 +243,9 @@ def speculative_decode(
         return
     if not sampling.greedy and key is None:
         raise ValueError("sampling needs an MLX PRNG key (mx.random.key(seed))")
+    if drafter is None:
+        beam = PLAIN_DECODING
+    steps = step_functions(model, drafter, beam, compiled)
     limit = context_length(model)
     started = time.perf_counter()
     state = prefill(model, prompts, cache_config)
@@ -210,7 +256,7 @@ def speculative_decode(
         step_key = None
         if key is not None:
             key, step_key = mx.random.split(key)
-        output = decode_step(model, drafter, state, beam, sampling, step_key)
+        output = decode_step(model, steps, state, sampling, step_key)
         finished: dict[int, str] = {}
         emitted: list[list[int]] = []
         counted: list[int] = []

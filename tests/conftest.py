@@ -44,6 +44,7 @@ def decode_tokens(
     key=None,
     eos=frozenset(),
     cache_config=None,
+    compiled=None,
 ):
     """Run the loop; returns (tokens per prompt, events)."""
     outputs = [[] for _ in prompts]
@@ -57,6 +58,7 @@ def decode_tokens(
         StopConfig(max_tokens=max_tokens, eos_token_ids=frozenset(eos)),
         cache_config,
         key,
+        compiled=compiled,
     ):
         events.append(event)
         for row, tokens in zip(event.row_ids, event.tokens):

@@ -6,7 +6,7 @@ from conftest import decode_tokens, mlx_lm_greedy, random_prompts
 from mlx_lm.models.cache import QuantizedKVCache
 from tiny_models import FAMILY_CONFIGS, tiny_model
 
-from mlx_redrafter.config import BeamConfig, CacheConfig
+from mlx_redrafter.config import BeamConfig, CacheConfig, SamplingConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.target import prepare_target
 
@@ -151,3 +151,20 @@ def test_half_precision_runs(trained_llama):
     reference = mlx_lm_greedy(tiny_model("llama", dtype=mx.bfloat16), prompt, 20)
     assert len(outputs[0]) == 20
     assert outputs[0][:3] == reference[:3]
+
+
+def test_compiled_hot_path_gives_identical_output(trained_llama):
+    model, drafter, prompts = trained_llama
+    beam = BeamConfig(4, 5)
+    for prompt in prompts[:3]:
+        compiled, events = decode_tokens(model, drafter, [prompt], beam, 30, compiled=True)
+        plain, _ = decode_tokens(model, drafter, [prompt], beam, 30, compiled=False)
+        assert compiled == plain
+        assert compiled[0] == mlx_lm_greedy(model, prompt, 30)
+    sampling = SamplingConfig(temperature=1.0, top_k=8)
+    rows = [prompts[0]] * 4
+    first = decode_tokens(model, drafter, rows, beam, 20, sampling, mx.random.key(3), compiled=True)
+    second = decode_tokens(
+        model, drafter, rows, beam, 20, sampling, mx.random.key(3), compiled=False
+    )
+    assert first[0] == second[0]
