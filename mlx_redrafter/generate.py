@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,6 +20,9 @@ from .config import BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .decode import speculative_decode
 from .drafter import Drafter
 from .target import context_length, prepare_target
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 DEFAULT_BEAM = BeamConfig()
 
@@ -223,44 +226,36 @@ def stream_batch(
             )
 
 
+class GenerationOptions(TypedDict, total=False):
+    """Keyword options shared by every generation function (defaults in `stream_batch`)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    beam_width: int
+    beam_length: int
+    seed: int | None
+    stop: Sequence[str] | str | None
+    beam: BeamConfig | None
+    cache: CacheConfig | None
+
+
 def stream_generate(
     model: nn.Module,
     drafter: Drafter | None,
     tokenizer: Any,
     prompt: Prompt,
-    *,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    beam_width: int = DEFAULT_BEAM.beam_width,
-    beam_length: int = DEFAULT_BEAM.beam_length,
-    seed: int | None = None,
-    stop: Sequence[str] | str | None = None,
-    beam: BeamConfig | None = None,
-    cache: CacheConfig | None = None,
+    **options: Unpack[GenerationOptions],
 ) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding a GenerationResponse per decoding step.
 
-    `drafter=None` decodes plainly (one token per target forward) through the same
-    loop. The last response has a finish_reason and carries the totals.
+    Options as in `stream_batch` (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
+    beam_width, beam_length, seed, stop, beam, cache). `drafter=None` decodes plainly
+    (one token per target forward) through the same loop. The last response has a
+    finish_reason and carries the totals.
     """
-    for _, response in stream_batch(
-        model,
-        drafter,
-        tokenizer,
-        [prompt],
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        beam_width=beam_width,
-        beam_length=beam_length,
-        seed=seed,
-        stop=stop,
-        beam=beam,
-        cache=cache,
-    ):
+    for _, response in stream_batch(model, drafter, tokenizer, [prompt], **options):
         yield response
 
 
@@ -269,39 +264,17 @@ def generate(
     drafter: Drafter | None,
     tokenizer: Any,
     prompt: Prompt,
-    *,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    beam_width: int = DEFAULT_BEAM.beam_width,
-    beam_length: int = DEFAULT_BEAM.beam_length,
-    seed: int | None = None,
-    stop: Sequence[str] | str | None = None,
-    beam: BeamConfig | None = None,
-    cache: CacheConfig | None = None,
     verbose: bool = False,
+    **options: Unpack[GenerationOptions],
 ) -> str:
-    """Generate a whole response for one prompt (a string or token ids)."""
+    """Generate a whole response for one prompt (a string or token ids).
+
+    Options as in `stream_batch`; `verbose` prints the text as it streams and a summary.
+    """
     pieces = []
     last: GenerationResponse | None = None
     started = time.perf_counter()
-    for response in stream_generate(
-        model,
-        drafter,
-        tokenizer,
-        prompt,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        beam_width=beam_width,
-        beam_length=beam_length,
-        seed=seed,
-        stop=stop,
-        beam=beam,
-        cache=cache,
-    ):
+    for response in stream_generate(model, drafter, tokenizer, prompt, **options):
         pieces.append(response.text)
         if verbose:
             print(response.text, end="", flush=True)
@@ -317,36 +290,14 @@ def batch_generate(
     drafter: Drafter | None,
     tokenizer: Any,
     prompts: Sequence[Prompt],
-    *,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    beam_width: int = DEFAULT_BEAM.beam_width,
-    beam_length: int = DEFAULT_BEAM.beam_length,
-    seed: int | None = None,
-    stop: Sequence[str] | str | None = None,
-    beam: BeamConfig | None = None,
-    cache: CacheConfig | None = None,
+    **options: Unpack[GenerationOptions],
 ) -> list[str]:
-    """Generate for several prompts decoded together; one string per prompt."""
+    """Generate for several prompts decoded together; one string per prompt.
+
+    Options as in `stream_batch`.
+    """
     texts = [""] * len(prompts)
-    for row, response in stream_batch(
-        model,
-        drafter,
-        tokenizer,
-        prompts,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        beam_width=beam_width,
-        beam_length=beam_length,
-        seed=seed,
-        stop=stop,
-        beam=beam,
-        cache=cache,
-    ):
+    for row, response in stream_batch(model, drafter, tokenizer, prompts, **options):
         texts[row] += response.text
     return texts
 
