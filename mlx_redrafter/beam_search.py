@@ -6,10 +6,62 @@ Shapes: B batch, W beam width, L beam length, D hidden size, Vd draft vocabulary
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 
 from .drafter import Drafter
+
+
+class Expansion(NamedTuple):
+    """One beam-search step's choice: the W best continuations of W beams.
+
+    scores: (B, W) new beam scores, best first.
+    parents: (B, W) the beam each continuation extends.
+    draft_tokens: (B, W) the appended token, as a draft-vocabulary index.
+    """
+
+    scores: mx.array
+    parents: mx.array
+    draft_tokens: mx.array
+
+
+def expand_beams(scores: mx.array, logits: mx.array) -> Expansion:
+    """Keep the W best of the W * Vd one-token continuations (the pure-MLX reference).
+
+    scores: (B, W) current beam scores; logits: (B, W, Vd) drafter logits per beam.
+    A candidate's score is its beam's score plus the log-softmax of its logit. The
+    result is fully determined, ties included: candidates are ordered by score, then
+    by flat index (parent * Vd + token), lowest first, and the first W are kept in
+    that order. (Kernels must reproduce exactly this.)
+    """
+    batch_size, beam_width, draft_vocab_size = logits.shape
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, W, Vd)
+    candidates = (scores[:, :, None] + logprobs).reshape(batch_size, -1)  # (B, W*Vd)
+    flat_size = candidates.shape[-1]
+    flat_index = mx.arange(flat_size, dtype=mx.int32)
+    # The W-th best score, then everything above it plus the lowest-index ties.
+    best = -mx.partition(-candidates, kth=beam_width - 1, axis=-1)  # (B, W*Vd)
+    threshold = best[:, beam_width - 1 : beam_width]  # (B, 1)
+    above = candidates > threshold  # (B, W*Vd)
+    tied = candidates == threshold
+    room = beam_width - mx.sum(above, axis=-1, keepdims=True)  # (B, 1) ties that fit
+    keep = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
+    chosen = mx.argsort(mx.where(keep, flat_index, flat_size + flat_index), axis=-1)
+    chosen = chosen[:, :beam_width].astype(mx.int32)  # (B, W) in flat-index order
+    chosen_scores = mx.take_along_axis(candidates, chosen, axis=-1)  # (B, W)
+    # Rank by score, ties by flat index: rank_i = #better + #equal-and-earlier.
+    other, this = chosen_scores[:, None, :], chosen_scores[:, :, None]  # (B, 1, W), (B, W, 1)
+    earlier = mx.arange(beam_width)[None, :] < mx.arange(beam_width)[:, None]  # (W, W)
+    rank = mx.sum((other > this) | ((other == this) & earlier), axis=-1)  # (B, W)
+    order = mx.argsort(rank, axis=-1)  # ranks are distinct
+    top = mx.take_along_axis(chosen, order, axis=-1)  # (B, W) best first
+    return Expansion(
+        scores=mx.take_along_axis(chosen_scores, order, axis=-1),
+        parents=top // draft_vocab_size,
+        draft_tokens=top % draft_vocab_size,
+    )
 
 
 def beam_search(
@@ -19,12 +71,14 @@ def beam_search(
     root_tokens: mx.array,
     beam_width: int,
     beam_length: int,
+    expand: Callable[[mx.array, mx.array], Expansion] = expand_beams,
 ) -> mx.array:
     """Draft W candidate continuations of length L for every row.
 
     drafter: the recurrent drafter; embed: the target's token embedding (ids -> (..., D)).
     hidden: (B, D) target hidden state at the last committed position.
     root_tokens: (B,) the target's own next token; it opens every beam.
+    expand: the expansion step (`expand_beams`, or a kernel with identical results).
     Returns beams (B, W, L) int32 target token ids, best beam first.
 
     Scores start at [0, -inf, ...] so the first expansion grows beam 0 only and
@@ -43,17 +97,9 @@ def beam_search(
     last_tokens = beams[:, :, 0]  # (B, W)
     for _ in range(beam_length - 1):
         state = drafter.recurrent_step(state, embed(last_tokens))  # (B, W, D)
-        logits = drafter.draft_logits(beam_hidden, state).astype(mx.float32)  # (B, W, Vd)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        draft_vocab_size = logprobs.shape[-1]
-        candidates = (scores[:, :, None] + logprobs).reshape(batch_size, -1)  # (B, W*Vd)
-        top = mx.argpartition(-candidates, kth=beam_width - 1, axis=-1)[:, :beam_width]  # (B, W)
-        top_scores = mx.take_along_axis(candidates, top, axis=-1)  # (B, W)
-        rank = mx.argsort(-top_scores, axis=-1)  # best first
-        top = mx.take_along_axis(top, rank, axis=-1)  # (B, W) flat index into W*Vd
-        scores = mx.take_along_axis(top_scores, rank, axis=-1)  # (B, W)
-        parents = top // draft_vocab_size  # (B, W)
-        tokens = drafter.to_target_ids(top % draft_vocab_size).astype(mx.int32)  # (B, W)
+        logits = drafter.draft_logits(beam_hidden, state)  # (B, W, Vd)
+        scores, parents, draft_tokens = expand(scores, logits)  # (B, W) each
+        tokens = drafter.to_target_ids(draft_tokens).astype(mx.int32)  # (B, W)
         beams = mx.take_along_axis(beams, parents[:, :, None], axis=1)  # (B, W, k)
         beams = mx.concatenate([beams, tokens[:, :, None]], axis=-1)  # (B, W, k + 1)
         state = mx.take_along_axis(state, parents[:, :, None], axis=1)  # (B, W, D)

@@ -1,0 +1,67 @@
+"""The beam expansion step: fully determined, ties included (the kernels' reference)."""
+
+import math
+import random
+
+import mlx.core as mx
+import pytest
+
+from mlx_redrafter.beam_search import expand_beams
+
+
+def brute_force(scores, logits):
+    """Rank every candidate by (score desc, flat index asc) in plain Python."""
+    out = []
+    for row_scores, row_logits in zip(scores, logits):
+        candidates = []
+        for parent, (score, beam_logits) in enumerate(zip(row_scores, row_logits)):
+            top = max(beam_logits)
+            norm = top + math.log(sum(math.exp(v - top) for v in beam_logits))
+            for token, value in enumerate(beam_logits):
+                flat = parent * len(beam_logits) + token
+                candidates.append((-(score + value - norm), flat))
+        candidates.sort()
+        out.append([flat for _, flat in candidates[: len(row_scores)]])
+    return out
+
+
+def test_first_expansion_picks_distinct_tokens_of_beam_zero():
+    scores = mx.array([[0.0, -mx.inf, -mx.inf]])
+    logits = mx.array([[[0.0, 3.0, 1.0, 2.0]] * 3])
+    result = expand_beams(scores, logits)
+    assert result.parents.tolist() == [[0, 0, 0]]
+    assert result.draft_tokens.tolist() == [[1, 3, 2]]
+    assert result.scores.tolist()[0][0] > result.scores.tolist()[0][1]
+
+
+def test_ties_go_to_the_lower_flat_index():
+    # Every candidate ties: the first W flat indices win, in flat order.
+    scores = mx.array([[0.0, 0.0]])
+    logits = mx.zeros((1, 2, 5))
+    result = expand_beams(scores, logits)
+    assert result.parents.tolist() == [[0, 0]]
+    assert result.draft_tokens.tolist() == [[0, 1]]
+    # A tie across parents at the boundary: parent 0's token beats parent 1's.
+    scores = mx.array([[0.0, 0.0]])
+    logits = mx.array([[[5.0, 1.0, 1.0], [1.0, 1.0, 5.0]]])
+    result = expand_beams(scores, logits)
+    assert list(zip(result.parents.tolist()[0], result.draft_tokens.tolist()[0])) == [
+        (0, 0),
+        (1, 2),
+    ]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 7), (2, 3, 11), (3, 4, 64), (1, 8, 33)])
+def test_matches_brute_force_on_random_inputs_with_ties(shape):
+    batch, width, vocab = shape
+    rng = random.Random(sum(shape))
+    for _ in range(5):
+        # Few distinct values, so ties are frequent.
+        logits = [
+            [[float(rng.randrange(4)) for _ in range(vocab)] for _ in range(width)]
+            for _ in range(batch)
+        ]
+        scores = [[float(rng.randrange(3)) for _ in range(width)] for _ in range(batch)]
+        result = expand_beams(mx.array(scores), mx.array(logits))
+        flat = (result.parents * vocab + result.draft_tokens).tolist()
+        assert flat == brute_force(scores, logits)
