@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,6 +22,7 @@ from .accept import Acceptance, accept
 from .beam_search import beam_search
 from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .drafter import Drafter
+from .kernels import Kernels, select_kernels
 from .sampling import choose_tokens
 from .target import TargetCache, context_length, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pack_tree
@@ -98,11 +99,13 @@ class StepFunctions:
     draft: (hidden (B, D), root_tokens (B,)) -> beams (B, W, L)
     pack: beams (B, W, L) -> PackedTree with N = beam.num_packed
     accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
+    kernels: which implementation expands beams and accepts ("mlx", "metal", ...)
     """
 
     draft: Callable[[mx.array, mx.array], mx.array]
     pack: Callable[[mx.array], PackedTree]
     accept: Callable[[mx.array, mx.array, mx.array, mx.array], Acceptance]
+    kernels: str = "mlx"
 
 
 def compile_by_default() -> bool:
@@ -112,14 +115,21 @@ def compile_by_default() -> bool:
 
 
 def step_functions(
-    model: nn.Module, drafter: Drafter | None, beam: BeamConfig, compiled: bool | None = None
+    model: nn.Module,
+    drafter: Drafter | None,
+    beam: BeamConfig,
+    compiled: bool | None = None,
+    kernels: str | Kernels | None = None,
 ) -> StepFunctions:
     """Build the draft, pack and accept functions of a decoding session.
 
     Without a drafter (or with L = 1) the tree is the root token alone: plain decoding.
     compiled: wrap them in mx.compile (None: `compile_by_default()`).
+    kernels: "metal", "mlx" or "auto" (None: $MLX_REDRAFTER_KERNELS, default "auto":
+        the fused Metal kernels when Metal is available), or a `Kernels` value.
     """
     compiled = compile_by_default() if compiled is None else compiled
+    ops = select_kernels(kernels)
     embed = model.model.embed_tokens
     if drafter is None or beam.beam_length == 1:
 
@@ -131,7 +141,13 @@ def step_functions(
 
         def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
             return beam_search(
-                drafter, embed, hidden, root_tokens, beam.beam_width, beam.beam_length
+                drafter,
+                embed,
+                hidden,
+                root_tokens,
+                beam.beam_width,
+                beam.beam_length,
+                expand=ops.expand,
             )
 
         num_packed, share_prefixes = beam.num_packed, beam.share_prefixes
@@ -142,8 +158,29 @@ def step_functions(
         return pack_tree(beams, num_packed, share_prefixes)
 
     if compiled:
-        return StepFunctions(draft, mx.compile(pack), mx.compile(accept))
-    return StepFunctions(draft, pack, accept)
+        return StepFunctions(draft, mx.compile(pack), mx.compile(ops.accept), ops.backend)
+    return StepFunctions(draft, pack, ops.accept, ops.backend)
+
+
+class PhaseClock:
+    """Wall-clock per phase of a step, for profiling only.
+
+    Each `mark` evaluates the phase's outputs first, so a profiled step has one host
+    sync per phase instead of one in all: use it in a separate, profiled pass.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str, *outputs: Any) -> None:
+        mx.eval(*outputs)
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 def decode_step(
@@ -152,15 +189,21 @@ def decode_step(
     state: DecodeState,
     sampling: SamplingConfig,
     key: mx.array | None,
+    clock: PhaseClock | None = None,
 ) -> StepOutput:
-    """One speculative step for every row, with exactly one host sync at the end."""
+    """One speculative step for every row, with exactly one host sync at the end
+    (one per phase when a profiling `clock` is given)."""
     # Draft: W beams of L tokens, each opened by the row's root token.
     beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
+    if clock:
+        clock.mark("draft", beams)
     # Pack tree: each distinct prefix once, N static for this beam config.
     tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
     choices = choose_tokens(logits, sampling, key)  # (B, N)
+    if clock:
+        clock.mark("verify", hidden, choices)
     # Accept: walk the tree along the target's choices.
     result = steps.accept(beams, tree.unpack, tree.canonical, choices)
     # Commit cache: keep the root and the accepted nodes' K/V.
@@ -181,6 +224,8 @@ def decode_step(
     state.cache.sync_lengths(
         [length + n + 1 for length, n in zip(state.cache.host_lengths, num_accepted)]
     )
+    if clock:
+        clock.mark("accept and commit")
     return StepOutput(tokens, num_accepted, host_list(tree.num_tokens))
 
 
@@ -229,6 +274,7 @@ def speculative_decode(
     key: mx.array | None = None,
     stopped_rows: set[int] | None = None,
     compiled: bool | None = None,
+    clock: PhaseClock | None = None,
 ) -> Iterator[DecodeEvent]:
     """Decode a batch of token-id prompts together; yields one event per step.
 
@@ -236,6 +282,7 @@ def speculative_decode(
     its index to `stopped_rows`; the row leaves the batch before the next step.
     `key` is the MLX PRNG key for sampling (split once per step). `compiled` forces
     mx.compile on or off for the draft/pack/accept functions (default: on the GPU only).
+    `clock` profiles the phases of every step (adding a host sync per phase).
     """
     cache_config = cache_config or CacheConfig()
     stopped_rows = stopped_rows if stopped_rows is not None else set()
@@ -256,7 +303,9 @@ def speculative_decode(
         step_key = None
         if key is not None:
             key, step_key = mx.random.split(key)
-        output = decode_step(model, steps, state, sampling, step_key)
+        if clock:
+            clock.start()
+        output = decode_step(model, steps, state, sampling, step_key, clock)
         finished: dict[int, str] = {}
         emitted: list[list[int]] = []
         counted: list[int] = []

@@ -45,6 +45,7 @@ class GenerationResponse:
     generation_tps: decoding tokens per second so far (excluding prefill).
     peak_memory: peak memory in GB so far.
     finish_reason: None while running; "stop" (EOS or a stop string) or "length".
+    tree_size: distinct prefixes the target verified in this step (1 when plain).
     """
 
     text: str
@@ -58,6 +59,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    tree_size: int = 1
 
 
 def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
@@ -222,6 +224,7 @@ def stream_batch(
                     generation_tps=generated[row] / max(decode_seconds[row], 1e-9),
                     peak_memory=_peak_memory_gb(),
                     finish_reason=finish_reason,
+                    tree_size=event.tree_sizes[position],
                 ),
             )
 

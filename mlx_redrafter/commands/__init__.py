@@ -4,6 +4,6 @@ Each module has `register(commands)`, which adds its subparser and sets
 `run=<function(args) -> exit code>` as the parser default.
 """
 
-from . import generate
+from . import bench, generate
 
-COMMANDS = [generate]
+COMMANDS = [generate, bench]

@@ -1,0 +1,443 @@
+"""The benchmark: ReDrafter against plain mlx-lm decoding, in one process, interleaved.
+
+For every prompt, every method runs once before the next prompt starts, so
+machine noise hits all methods alike. Methods:
+
+* `mlx-lm`: `mlx_lm.stream_generate`, plain decoding: the baseline users have today;
+* `plain`: this project's loop without a drafter (W = L = 1);
+* `redrafter WxL`: the speculative loop at each beam configuration;
+* `redrafter WxL unpacked`: the same, verifying all W*L tokens (no prefix sharing).
+
+Every method is timed the same way, from the stream of responses it yields:
+decode tokens/s counts the tokens after the first response over the time from the
+first response to the last (so prefill and the first step are excluded alike);
+prefill tokens/s is prompt tokens over the time to the first response.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import batch_generate as mlx_lm_batch_generate
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
+from .decode import PhaseClock, speculative_decode
+from .drafter import Drafter
+from .generate import stream_batch, stream_generate
+
+SLOW_BLAS_GFLOPS = 30.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure.
+
+    beams: the ReDrafter beam configurations to compare.
+    unpacked: also run each configuration without prefix sharing.
+    profile_prompts: prompts of a separate pass that splits step time into phases.
+    batch_sizes: batch sweep sizes (empty: no sweep), with the first beam config.
+    """
+
+    max_tokens: int = 256
+    beams: tuple[BeamConfig, ...] = (BeamConfig(4, 4),)
+    sampling: SamplingConfig = SamplingConfig()
+    unpacked: bool = True
+    seed: int = 0
+    warmup_tokens: int = 16
+    profile_prompts: int = 4
+    batch_sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    beam: BeamConfig | None  # None: mlx-lm's own stream_generate
+    uses_drafter: bool = False
+
+
+BASELINE = Method("mlx-lm", None)
+
+
+def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
+    methods = [BASELINE, Method("plain", PLAIN_DECODING)]
+    if not has_drafter:
+        return methods
+    for beam in config.beams:
+        name = f"redrafter {beam.beam_width}x{beam.beam_length}"
+        methods.append(Method(name, beam, True))
+        if config.unpacked and beam.beam_length > 1:
+            unshared = replace(beam, share_prefixes=False, tree_budget=None)
+            methods.append(Method(f"{name} unpacked", unshared, True))
+    return methods
+
+
+@dataclass
+class Run:
+    """One method on one prompt."""
+
+    method: str
+    prompt: int
+    prompt_tokens: int
+    tokens: list[int]
+    steps: int
+    produced_tokens: float  # tokens the target produced, counting a final EOS
+    time_to_first_response: float
+    decode_seconds: float
+    decode_tokens: int
+    accepted: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+    matches_baseline: bool | None = None
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / max(self.time_to_first_response, 1e-9)
+
+
+def run_method(
+    method: Method,
+    model: nn.Module,
+    drafter: Drafter | None,
+    tokenizer: Any,
+    prompt: list[int],
+    prompt_index: int,
+    config: BenchConfig,
+) -> Run:
+    """Decode one prompt with one method, timing every response."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    stamps: list[float] = []
+    chunks: list[list[int]] = []
+    accepted: list[int] = []
+    trees: list[int] = []
+    produced = 0.0
+    started = time.perf_counter()
+    sampling = config.sampling
+    if method.beam is None:
+        mx.random.seed(config.seed)
+        sampler = make_sampler(sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        eos = tokenizer.eos_token_ids
+        for baseline_response in mlx_lm_stream_generate(
+            model, tokenizer, prompt, max_tokens=config.max_tokens, sampler=sampler
+        ):
+            stamps.append(time.perf_counter())
+            stop = baseline_response.finish_reason == "stop" and baseline_response.token in eos
+            chunks.append([] if stop else [baseline_response.token])
+            produced += 1
+        steps = len(stamps)
+    else:
+        last = None
+        for response in stream_generate(
+            model,
+            drafter if method.uses_drafter else None,
+            tokenizer,
+            prompt,
+            max_tokens=config.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=config.seed,
+            beam=method.beam,
+        ):
+            stamps.append(time.perf_counter())
+            chunks.append(response.tokens)
+            accepted.append(response.num_accepted)
+            trees.append(response.tree_size)
+            last = response
+        steps = len(stamps)
+        produced = last.tokens_per_step * last.steps if last else 0.0
+    tokens = [t for chunk in chunks for t in chunk]
+    return Run(
+        method=method.name,
+        prompt=prompt_index,
+        prompt_tokens=len(prompt),
+        tokens=tokens,
+        steps=steps,
+        produced_tokens=produced,
+        time_to_first_response=(stamps[0] - started) if stamps else 0.0,
+        decode_seconds=(stamps[-1] - stamps[0]) if stamps else 0.0,
+        decode_tokens=len(tokens) - (len(chunks[0]) if chunks else 0),
+        accepted=accepted,
+        tree_sizes=trees,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+    )
+
+
+def profile_phases(
+    method: Method,
+    model: nn.Module,
+    drafter: Drafter | None,
+    prompts: Sequence[list[int]],
+    config: BenchConfig,
+) -> dict[str, float]:
+    """Fractions of step time spent drafting, verifying, and on everything else.
+
+    A separate pass with a host sync after each phase (so it is not timed for speed).
+    """
+    if method.beam is None or not prompts:
+        return {}
+    clock = PhaseClock()
+    total = 0.0
+    for prompt in prompts:
+        for event in speculative_decode(
+            model,
+            drafter if method.uses_drafter else None,
+            [prompt],
+            method.beam,
+            config.sampling,
+            StopConfig(max_tokens=config.max_tokens),
+            key=mx.random.key(config.seed),
+            clock=clock,
+        ):
+            total += event.step_seconds
+    draft = clock.seconds.get("draft", 0.0)
+    verify = clock.seconds.get("verify", 0.0)
+    total = max(total, 1e-9)
+    return {"draft": draft / total, "verify": verify / total, "other": 1 - (draft + verify) / total}
+
+
+def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str, Any]:
+    """Per-method figures over the same prompts."""
+    mean_tps = statistics.fmean(r.decode_tps for r in runs)
+    base_tps = statistics.fmean(r.decode_tps for r in baseline)
+    ratios = [r.decode_tps / b.decode_tps for r, b in zip(runs, baseline) if b.decode_tps > 0]
+    steps = sum(r.steps for r in runs)
+    accepted = [a for r in runs for a in r.accepted]
+    summary: dict[str, Any] = {
+        "method": method.name,
+        "beam_width": method.beam.beam_width if method.beam else 1,
+        "beam_length": method.beam.beam_length if method.beam else 1,
+        "share_prefixes": method.beam.share_prefixes if method.beam else True,
+        "prompts": len(runs),
+        "generated_tokens": sum(len(r.tokens) for r in runs),
+        "decode_tps": mean_tps,
+        "prefill_tps": statistics.fmean(r.prefill_tps for r in runs),
+        "speedup": mean_tps / base_tps if base_tps > 0 else 0.0,
+        "speedup_per_prompt": {
+            "min": min(ratios, default=0.0),
+            "median": statistics.median(ratios) if ratios else 0.0,
+            "max": max(ratios, default=0.0),
+            "stdev": statistics.pstdev(ratios) if len(ratios) > 1 else 0.0,
+        },
+        "tau": sum(r.produced_tokens for r in runs) / steps if steps else 0.0,
+        "peak_memory_gb": max(r.peak_memory_gb for r in runs),
+        "match_rate": (
+            statistics.fmean(1.0 if r.matches_baseline else 0.0 for r in runs)
+            if runs and runs[0].matches_baseline is not None
+            else None
+        ),
+    }
+    if method.beam is not None and accepted:
+        length = method.beam.beam_length
+        summary["acceptance_by_position"] = [
+            sum(a >= k for a in accepted) / len(accepted) for k in range(1, length)
+        ]
+        trees = [t for r in runs for t in r.tree_sizes]
+        summary["tree_compression"] = statistics.fmean(trees) / (method.beam.beam_width * length)
+        summary["accepted_histogram"] = [accepted.count(k) for k in range(length)]
+    return summary
+
+
+def measure_matmul_gflops() -> float:
+    """fp32 matmul speed of the default device (the CPU backend's BLAS on Linux)."""
+    a = mx.random.normal((512, 1024))
+    b = mx.random.normal((1024, 1024))
+    mx.eval(a, b, a @ b)
+    started = time.perf_counter()
+    for _ in range(5):
+        mx.eval(a @ b)
+    return 5 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - started) / 1e9
+
+
+def environment() -> dict[str, Any]:
+    gflops = measure_matmul_gflops()
+    device = mx.default_device()
+    return {
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "mlx_redrafter": version("mlx-redrafter"),
+        "device": str(device),
+        "backend": "metal" if device == mx.gpu and mx.metal.is_available() else "cpu",
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "matmul_gflops_fp32": round(gflops, 1),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "slow_blas": device == mx.cpu and gflops < SLOW_BLAS_GFLOPS,
+    }
+
+
+def slow_blas_warning(env: dict[str, Any]) -> str | None:
+    if not env["slow_blas"]:
+        return None
+    return (
+        f"WARNING: MLX's CPU backend runs fp32 matmul at {env['matmul_gflops_fp32']} GFLOP/s: "
+        "it is using the slow reference BLAS, so these timings are meaningless. Preload "
+        "OpenBLAS (Debian: apt-get install libopenblas0-pthread; then "
+        "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)."
+    )
+
+
+def batch_sweep(
+    model: nn.Module,
+    drafter: Drafter | None,
+    tokenizer: Any,
+    prompts: Sequence[list[int]],
+    config: BenchConfig,
+) -> list[dict[str, Any]]:
+    """Throughput (generated tokens / wall-clock, prefill included) at each batch size."""
+    rows = []
+    beam = config.beams[0]
+    for batch_size in config.batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        started = time.perf_counter()
+        response = mlx_lm_batch_generate(
+            model, tokenizer, batch, max_tokens=config.max_tokens, return_token_ids=True
+        )
+        baseline_seconds = time.perf_counter() - started
+        baseline_tokens = sum(len(ids) for ids in response.token_ids or [])
+        row: dict[str, Any] = {
+            "batch_size": batch_size,
+            "mlx_lm_tps": baseline_tokens / baseline_seconds,
+        }
+        for name, use_drafter in (("plain", False), ("redrafter", True)):
+            if use_drafter and drafter is None:
+                continue
+            started = time.perf_counter()
+            count = 0
+            for _, piece in stream_batch(
+                model,
+                drafter if use_drafter else None,
+                tokenizer,
+                batch,
+                max_tokens=config.max_tokens,
+                beam=beam,
+            ):
+                count += len(piece.tokens)
+            row[f"{name}_tps"] = count / (time.perf_counter() - started)
+        if "redrafter_tps" in row:
+            row["redrafter_speedup"] = row["redrafter_tps"] / row["mlx_lm_tps"]
+        rows.append(row)
+    return rows
+
+
+def run_benchmark(
+    model: nn.Module,
+    drafter: Drafter | None,
+    tokenizer: Any,
+    prompts: Sequence[list[int]],
+    config: BenchConfig,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every method on every prompt, interleaved; returns the full result record."""
+    env = environment()
+    methods = benchmark_methods(config, drafter is not None)
+    warm = replace(config, max_tokens=config.warmup_tokens)
+    for method in methods:  # warm-up: first-call costs stay out of the figures
+        run_method(method, model, drafter, tokenizer, prompts[0], -1, warm)
+    runs: dict[str, list[Run]] = {m.name: [] for m in methods}
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        for method in methods:
+            run = run_method(method, model, drafter, tokenizer, prompt, index, config)
+            if config.sampling.greedy and method is not BASELINE:
+                run.matches_baseline = run.tokens == runs[BASELINE.name][index].tokens
+            elif method is BASELINE and config.sampling.greedy:
+                run.matches_baseline = True
+            runs[method.name].append(run)
+        if progress:
+            done = index + 1
+            eta = (time.perf_counter() - started) / done * (len(prompts) - done)
+            progress(f"prompt {done}/{len(prompts)}, ETA {eta:.0f} s")
+    profiles = {
+        m.name: profile_phases(m, model, drafter, prompts[: config.profile_prompts], config)
+        for m in methods
+    }
+    summaries = []
+    for method in methods:
+        summary = summarize(method, runs[method.name], runs[BASELINE.name])
+        if profiles.get(method.name):
+            summary["time_split"] = profiles[method.name]
+        summaries.append(summary)
+    sweep = batch_sweep(model, drafter, tokenizer, prompts, config) if config.batch_sizes else []
+    return {
+        "environment": env,
+        "config": {
+            "max_tokens": config.max_tokens,
+            "beams": [asdict(b) for b in config.beams],
+            "sampling": asdict(config.sampling),
+            "seed": config.seed,
+            "prompts": len(prompts),
+        },
+        "summary": summaries,
+        "batch_sweep": sweep,
+        "runs": [asdict(r) for name in runs for r in runs[name]],
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A plain-text table of the per-method summaries."""
+    header = (
+        f"{'method':<26} {'tok/s':>7} {'speed-up':>8} {'(min-max)':>12} {'tau':>5} "
+        f"{'compr.':>6} {'draft/verify/other':>19} {'peak GB':>7} {'match':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for s in result["summary"]:
+        split = s.get("time_split")
+        split_text = (
+            f"{split['draft']:.0%}/{split['verify']:.0%}/{split['other']:.0%}" if split else "-"
+        )
+        spread = s["speedup_per_prompt"]
+        match = "-" if s["match_rate"] is None else f"{s['match_rate']:.0%}"
+        compression = s.get("tree_compression")
+        compression_text = "-" if compression is None else f"{compression:.2f}"
+        lines.append(
+            f"{s['method']:<26} {s['decode_tps']:>7.1f} {s['speedup']:>7.2f}x "
+            f"{spread['min']:>5.2f}-{spread['max']:<5.2f} {s['tau']:>5.2f} "
+            f"{compression_text:>6} "
+            f"{split_text:>19} {s['peak_memory_gb']:>7.2f} {match:>6}"
+        )
+    if result["batch_sweep"]:
+        lines.append("")
+        lines.append(f"{'batch':>5} {'mlx-lm tok/s':>13} {'plain tok/s':>12} {'redrafter':>10}")
+        for row in result["batch_sweep"]:
+            lines.append(
+                f"{row['batch_size']:>5} {row['mlx_lm_tps']:>13.1f} "
+                f"{row.get('plain_tps', 0):>12.1f} {row.get('redrafter_tps', 0):>10.1f}"
+            )
+    return "\n".join(lines)
+
+
+def write_result(result: dict[str, Any], out_dir: Path) -> Path:
+    """Write bench.json (atomically) into out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / "bench.json"
+    staging = out_dir / ".bench.json.tmp"
+    staging.write_text(json.dumps(result, indent=2) + "\n")
+    staging.replace(target)
+    return target
+
+
+def progress_printer(stream: Any = sys.stderr) -> Callable[[str], None]:
+    def show(message: str) -> None:
+        print(f"\r[bench] {message}   ", end="", file=stream, flush=True)
+
+    return show

@@ -1,0 +1,141 @@
+"""`mlx-redrafter bench`: ReDrafter against mlx-lm plain decoding, with tables and plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..bench import (
+    BenchConfig,
+    format_table,
+    progress_printer,
+    run_benchmark,
+    slow_blas_warning,
+    write_result,
+)
+from ..config import BeamConfig, SamplingConfig
+from ..loading import NoShippedDrafterWarning, load
+from ..prompts import MT_BENCH, chat_tokens, read_prompts
+
+
+def parse_beams(text: str) -> tuple[BeamConfig, ...]:
+    """'4x4,2x5' -> (BeamConfig(4, 4), BeamConfig(2, 5))."""
+    beams = []
+    for item in text.split(","):
+        try:
+            width, length = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--beams takes WxL items like 4x4,2x5; got {item!r}") from None
+        beams.append(BeamConfig(width, length))
+    return tuple(beams)
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        raise ValueError(f"--batch-sizes takes numbers like 1,2,4,8; got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise ValueError("--batch-sizes must be >= 1")
+    return sizes
+
+
+def register(commands: Any) -> None:
+    """Add the `bench` subcommand to the `mlx-redrafter` parser."""
+    bench = commands.add_parser(
+        "bench",
+        help="measure ReDrafter against mlx-lm plain decoding",
+        description="Runs mlx-lm plain decoding, this project's loop without a drafter, and "
+        "ReDrafter at each beam configuration (with and without tree packing), interleaved "
+        "prompt by prompt in one process after a warm-up; prints a table and writes "
+        "bench.json and PNG plots.",
+        epilog="example: mlx-redrafter bench --limit 64 --max-tokens 256 --beams 4x4,2x5 "
+        "--out runs/bench",
+    )
+    bench.add_argument("--model", help="MLX model folder or Hub id (default: embedded)")
+    bench.add_argument("--drafter", help="drafter folder or Hub id (default: shipped)")
+    bench.add_argument("--no-drafter", action="store_true", help="compare plain methods only")
+    bench.add_argument(
+        "--prompts",
+        default=str(MT_BENCH),
+        help="JSONL of MT-Bench questions or {'prompt': ...} rows (default: MT-Bench first turns)",
+    )
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument("--max-tokens", type=int, default=256)
+    bench.add_argument(
+        "--beams",
+        type=parse_beams,
+        default=(BeamConfig(4, 4),),
+        help="beam configurations WxL, comma-separated (default 4x4)",
+    )
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--batch-sizes",
+        type=parse_sizes,
+        default=(),
+        help="batch sweep sizes, e.g. 1,2,4,8 (default: no sweep)",
+    )
+    bench.add_argument(
+        "--no-unpacked", action="store_true", help="skip the runs without tree packing"
+    )
+    bench.add_argument(
+        "--profile-prompts",
+        type=int,
+        default=4,
+        help="prompts of the separate pass that splits step time (default 4)",
+    )
+    bench.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    bench.add_argument("--no-plots", action="store_true")
+    bench.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise ValueError("--limit must be >= 1")
+    config = BenchConfig(
+        max_tokens=args.max_tokens,
+        beams=args.beams,
+        sampling=SamplingConfig(args.temperature, args.top_p, args.top_k),
+        unpacked=not args.no_unpacked,
+        seed=args.seed,
+        profile_prompts=args.profile_prompts,
+        batch_sizes=args.batch_sizes,
+    )
+    texts = read_prompts(args.prompts)[: args.limit]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoShippedDrafterWarning)
+        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
+    for note in caught:
+        print(f"note: {note.message}", file=sys.stderr)
+    if args.no_drafter:
+        drafter = None
+    prompts = [chat_tokens(tokenizer, text) for text in texts]
+    result = run_benchmark(model, drafter, tokenizer, prompts, config, progress_printer())
+    print(file=sys.stderr)
+    warning = slow_blas_warning(result["environment"])
+    if warning:
+        print(warning, file=sys.stderr)
+    env = result["environment"]
+    print(
+        f"{len(prompts)} prompts x {config.max_tokens} tokens, {env['backend']} "
+        f"({env['device']}), fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s, "
+        f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
+    )
+    print(format_table(result))
+    out = Path(args.out)
+    path = write_result(result, out)
+    print(f"wrote {path}")
+    if not args.no_plots:
+        from ..bench_plots import write_plots
+
+        for plot in write_plots(result, out):
+            print(f"wrote {plot}")
+    if warning:
+        print(warning, file=sys.stderr)
+    return 0

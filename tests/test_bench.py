@@ -1,0 +1,110 @@
+"""The benchmark on a tiny model: every figure present, greedy outputs match, plots written."""
+
+import json
+
+import pytest
+from tiny_models import tiny_tokenizer
+
+from mlx_redrafter.bench import (
+    BenchConfig,
+    environment,
+    format_table,
+    run_benchmark,
+    slow_blas_warning,
+    write_result,
+)
+from mlx_redrafter.bench_plots import write_plots
+from mlx_redrafter.commands.bench import parse_beams, parse_sizes
+from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.prompts import read_prompts
+
+
+@pytest.fixture(scope="module")
+def result(trained_llama):
+    model, drafter, prompts = trained_llama
+    config = BenchConfig(
+        max_tokens=24,
+        beams=(BeamConfig(3, 3), BeamConfig(2, 4)),
+        warmup_tokens=4,
+        profile_prompts=2,
+        batch_sizes=(1, 2),
+    )
+    return run_benchmark(model, drafter, tiny_tokenizer(), prompts[:3], config)
+
+
+def test_every_method_runs_on_every_prompt(result):
+    names = [s["method"] for s in result["summary"]]
+    assert names == [
+        "mlx-lm",
+        "plain",
+        "redrafter 3x3",
+        "redrafter 3x3 unpacked",
+        "redrafter 2x4",
+        "redrafter 2x4 unpacked",
+    ]
+    assert len(result["runs"]) == 3 * len(names)
+
+
+def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
+    for summary in result["summary"]:
+        assert summary["match_rate"] == 1.0, summary["method"]
+        assert summary["decode_tps"] > 0 and summary["prefill_tps"] > 0
+        assert summary["peak_memory_gb"] > 0
+    by_name = {s["method"]: s for s in result["summary"]}
+    assert by_name["mlx-lm"]["speedup"] == pytest.approx(1.0)
+    assert by_name["plain"]["tau"] == pytest.approx(1.0)
+    packed = by_name["redrafter 3x3"]
+    assert packed["tau"] > 1.3
+    assert len(packed["acceptance_by_position"]) == 2
+    first, second = packed["acceptance_by_position"]
+    assert 1 >= first >= second >= 0
+    assert 0 < packed["tree_compression"] <= 7 / 9  # the root is always shared
+    assert by_name["redrafter 3x3 unpacked"]["tree_compression"] == pytest.approx(1.0)
+    split = packed["time_split"]
+    assert set(split) == {"draft", "verify", "other"}
+    assert sum(split.values()) == pytest.approx(1.0)
+    assert sum(packed["accepted_histogram"]) > 0
+
+
+def test_batch_sweep_reports_throughput(result):
+    sweep = result["batch_sweep"]
+    assert [row["batch_size"] for row in sweep] == [1, 2]
+    for row in sweep:
+        assert row["mlx_lm_tps"] > 0 and row["redrafter_tps"] > 0 and row["plain_tps"] > 0
+
+
+def test_outputs_json_table_and_plots(result, tmp_path):
+    path = write_result(result, tmp_path)
+    loaded = json.loads(path.read_text())
+    assert loaded["environment"]["device"] and "mlx" in loaded["environment"]
+    table = format_table(result)
+    assert "redrafter 2x4 unpacked" in table and "batch" in table
+    plots = write_plots(result, tmp_path)
+    assert sorted(p.name for p in plots) == [
+        "accepted_histogram.png",
+        "speedup_heatmap.png",
+        "tokens_per_second.png",
+    ]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in plots)
+
+
+def test_environment_and_slow_blas_warning():
+    env = environment()
+    assert env["matmul_gflops_fp32"] > 0
+    assert slow_blas_warning({**env, "slow_blas": True}).startswith("WARNING")
+    assert slow_blas_warning({**env, "slow_blas": False}) is None
+
+
+def test_argument_parsing_and_prompt_files(tmp_path):
+    assert parse_beams("4x4,2x5") == (BeamConfig(4, 4), BeamConfig(2, 5))
+    with pytest.raises(ValueError, match="WxL"):
+        parse_beams("4by4")
+    with pytest.raises(ValueError):
+        parse_beams("0x4")
+    assert parse_sizes("1,2,4") == (1, 2, 4)
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "a"}\n\nnot json\n{"turns": ["b", "c"]}\n{"x": 1}\n')
+    with pytest.warns(UserWarning, match=":3:"):
+        assert read_prompts(file) == ["a", "b"]
+    with pytest.raises(ValueError, match=":3:"):
+        read_prompts(file, strict=True)
