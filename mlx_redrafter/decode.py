@@ -18,14 +18,16 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from .accept import Acceptance, accept
+from .accept import Acceptance
 from .beam_search import beam_search
 from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
 from .sampling import choose_tokens
 from .target import TargetCache, context_length, target_forward, target_hidden
-from .tree import PackedTree, chain_tree, pack_tree
+from .tree import PackedTree, chain_tree
+
+GREEDY = SamplingConfig()
 
 
 @dataclass
@@ -35,13 +37,15 @@ class DecodeState:
     cache: the target's K/V cache with each row's committed length.
     root_tokens: (B,) each row's newest token; not yet in the cache, it roots the next tree.
     hidden: (B, D) target hidden state at each row's last committed position.
-    row_ids: which request (index into the prompts) each batch row serves.
+    row_ids: which request each batch row serves.
+    sampling: each row's sampling rules.
     """
 
     cache: TargetCache
     root_tokens: mx.array
     hidden: mx.array
     row_ids: list[int]
+    sampling: list[SamplingConfig]
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows at the given positions."""
@@ -50,6 +54,15 @@ class DecodeState:
         self.root_tokens = self.root_tokens[index]
         self.hidden = self.hidden[index]
         self.row_ids = [self.row_ids[r] for r in rows]
+        self.sampling = [self.sampling[r] for r in rows]
+
+    def extend(self, other: DecodeState) -> None:
+        """Append the rows of `other` (freshly prefilled requests joining the batch)."""
+        self.cache.extend(other.cache)
+        self.root_tokens = mx.concatenate([self.root_tokens, other.root_tokens])
+        self.hidden = mx.concatenate([self.hidden, other.hidden.astype(self.hidden.dtype)])
+        self.row_ids = self.row_ids + other.row_ids
+        self.sampling = self.sampling + other.sampling
 
 
 @dataclass(frozen=True)
@@ -62,11 +75,17 @@ class StepOutput:
 
 
 def prefill(
-    model: nn.Module, prompts: Sequence[Sequence[int]], cache_config: CacheConfig
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    cache_config: CacheConfig,
+    sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
+    row_ids: Sequence[int] | None = None,
 ) -> DecodeState:
     """Commit every prompt but its last token; the last token roots the first tree.
 
     Rows of different lengths are right-padded per chunk; padding is never committed.
+    sampling: the rules of all rows, or of each row; row_ids: the requests the rows
+    serve (default 0..B-1).
     """
     batch_size = len(prompts)
     cache = TargetCache(model, batch_size, cache_config)
@@ -89,7 +108,11 @@ def prefill(
         cache.sync_lengths([length + n for length, n in zip(cache.host_lengths, counts)])
         mx.eval(hidden, cache.arrays())
     root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
-    return DecodeState(cache, root_tokens, hidden, list(range(batch_size)))
+    rules = [sampling] * batch_size if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(rules) != batch_size:
+        raise ValueError(f"{len(rules)} sampling configs for {batch_size} prompts")
+    ids = list(range(batch_size)) if row_ids is None else list(row_ids)
+    return DecodeState(cache, root_tokens, hidden, ids, rules)
 
 
 @dataclass(frozen=True)
@@ -99,7 +122,7 @@ class StepFunctions:
     draft: (hidden (B, D), root_tokens (B,)) -> beams (B, W, L)
     pack: beams (B, W, L) -> PackedTree with N = beam.num_packed
     accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
-    kernels: which implementation expands beams and accepts ("mlx", "metal", ...)
+    kernels: which implementation expands, packs and accepts ("mlx", "metal", ...)
     """
 
     draft: Callable[[mx.array, mx.array], mx.array]
@@ -155,7 +178,7 @@ def step_functions(
             draft = mx.compile(draft, inputs=[drafter.state, embed.state])
 
     def pack(beams: mx.array) -> PackedTree:
-        return pack_tree(beams, num_packed, share_prefixes)
+        return ops.pack(beams, num_packed, share_prefixes)
 
     if compiled:
         return StepFunctions(draft, mx.compile(pack), mx.compile(ops.accept), ops.backend)
@@ -187,7 +210,6 @@ def decode_step(
     model: nn.Module,
     steps: StepFunctions,
     state: DecodeState,
-    sampling: SamplingConfig,
     key: mx.array | None,
     clock: PhaseClock | None = None,
 ) -> StepOutput:
@@ -201,7 +223,7 @@ def decode_step(
     tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
-    choices = choose_tokens(logits, sampling, key)  # (B, N)
+    choices = choose_tokens(logits, state.sampling, key)  # (B, N)
     if clock:
         clock.mark("verify", hidden, choices)
     # Accept: walk the tree along the target's choices.
@@ -239,6 +261,37 @@ def host_rows(values: mx.array) -> list[list[int]]:
     return cast(list[list[int]], values.tolist())
 
 
+@dataclass
+class RowProgress:
+    """Host-side stop rules of one row: max_tokens, EOS ids, the context limit."""
+
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    generated: int = 0
+
+    def take(
+        self, tokens: list[int], committed: int, beam_length: int, limit: int | None
+    ) -> tuple[list[int], int, str | None]:
+        """Apply the stop rules to a step's new tokens.
+
+        committed: the row's committed length after the step; limit: the model's context.
+        Returns (tokens kept, tokens counted for tau, finish reason or None).
+        """
+        tokens = tokens[: self.max_tokens - self.generated]
+        reason = None
+        for position, token in enumerate(tokens):
+            if token in self.eos_token_ids:
+                tokens, reason = tokens[:position], "stop"
+                break
+        self.generated += len(tokens)
+        if reason is None and (
+            self.generated >= self.max_tokens
+            or (limit is not None and committed + beam_length > limit)
+        ):
+            reason = "length"
+        return tokens, len(tokens) + (reason == "stop"), reason
+
+
 @dataclass(frozen=True)
 class DecodeEvent:
     """What one step produced for the rows still running, after stop rules.
@@ -268,36 +321,40 @@ def speculative_decode(
     drafter: Drafter | None,
     prompts: Sequence[Sequence[int]],
     beam: BeamConfig,
-    sampling: SamplingConfig,
+    sampling: SamplingConfig | Sequence[SamplingConfig],
     stop: StopConfig,
     cache_config: CacheConfig | None = None,
     key: mx.array | None = None,
     stopped_rows: set[int] | None = None,
     compiled: bool | None = None,
     clock: PhaseClock | None = None,
+    kernels: str | Kernels | None = None,
 ) -> Iterator[DecodeEvent]:
     """Decode a batch of token-id prompts together; yields one event per step.
 
+    `sampling` is one config for every row or one per prompt.
     A consumer that decides a row must end (a stop string, a closed client) adds
     its index to `stopped_rows`; the row leaves the batch before the next step.
     `key` is the MLX PRNG key for sampling (split once per step). `compiled` forces
     mx.compile on or off for the draft/pack/accept functions (default: on the GPU only).
     `clock` profiles the phases of every step (adding a host sync per phase).
+    `kernels` picks the expansion/acceptance implementation (see `step_functions`).
     """
     cache_config = cache_config or CacheConfig()
     stopped_rows = stopped_rows if stopped_rows is not None else set()
     if stop.max_tokens == 0 or not prompts:
         return
-    if not sampling.greedy and key is None:
+    rules = [sampling] if isinstance(sampling, SamplingConfig) else list(sampling)
+    if key is None and not all(rule.greedy for rule in rules):
         raise ValueError("sampling needs an MLX PRNG key (mx.random.key(seed))")
     if drafter is None:
         beam = PLAIN_DECODING
-    steps = step_functions(model, drafter, beam, compiled)
+    steps = step_functions(model, drafter, beam, compiled, kernels)
     limit = context_length(model)
     started = time.perf_counter()
-    state = prefill(model, prompts, cache_config)
+    state = prefill(model, prompts, cache_config, sampling)
     prefill_seconds = time.perf_counter() - started
-    generated = [0] * len(prompts)
+    progress = [RowProgress(stop.max_tokens, stop.eos_token_ids) for _ in prompts]
     while state.row_ids:
         step_started = time.perf_counter()
         step_key = None
@@ -305,25 +362,16 @@ def speculative_decode(
             key, step_key = mx.random.split(key)
         if clock:
             clock.start()
-        output = decode_step(model, steps, state, sampling, step_key, clock)
+        output = decode_step(model, steps, state, step_key, clock)
         finished: dict[int, str] = {}
         emitted: list[list[int]] = []
         counted: list[int] = []
         for row, new_tokens, length in zip(state.row_ids, output.tokens, state.cache.host_lengths):
-            new_tokens = new_tokens[: stop.max_tokens - generated[row]]
-            for position, token in enumerate(new_tokens):
-                if token in stop.eos_token_ids:
-                    new_tokens = new_tokens[:position]
-                    finished[row] = "stop"
-                    break
-            generated[row] += len(new_tokens)
-            if row not in finished and (
-                generated[row] >= stop.max_tokens
-                or (limit is not None and length + beam.beam_length > limit)
-            ):
-                finished[row] = "length"
-            emitted.append(new_tokens)
-            counted.append(len(new_tokens) + (finished.get(row) == "stop"))
+            kept, count, reason = progress[row].take(new_tokens, length, beam.beam_length, limit)
+            emitted.append(kept)
+            counted.append(count)
+            if reason is not None:
+                finished[row] = reason
         yield DecodeEvent(
             row_ids=list(state.row_ids),
             tokens=emitted,

@@ -5,6 +5,8 @@ Shapes: B batch, N packed tokens, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 from .config import SamplingConfig
@@ -15,7 +17,7 @@ def normalize(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def filter_top_p(logprobs: mx.array, top_p: float) -> mx.array:
+def filter_top_p(logprobs: mx.array, top_p: float | mx.array) -> mx.array:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (ties kept).
 
     A token survives when the mass of the tokens strictly ranked above it is below top_p.
@@ -54,12 +56,47 @@ def target_distribution(logits: mx.array, sampling: SamplingConfig) -> mx.array:
     return logprobs * (1.0 / sampling.temperature)
 
 
-def choose_tokens(logits: mx.array, sampling: SamplingConfig, key: mx.array | None) -> mx.array:
+def choose_tokens(
+    logits: mx.array, sampling: SamplingConfig | Sequence[SamplingConfig], key: mx.array | None
+) -> mx.array:
     """One target choice per node: argmax, or an independent sample.
 
-    logits: (B, N, V); key: an MLX PRNG key (required when sampling) -> (B, N) int32
+    logits: (B, N, V); sampling: one config for all rows, or one per row;
+    key: an MLX PRNG key (required when any row samples) -> (B, N) int32
     """
+    if not isinstance(sampling, SamplingConfig):
+        if len(set(sampling)) > 1:
+            return choose_tokens_per_row(logits, sampling, key)
+        sampling = sampling[0]
     weights = target_distribution(logits, sampling)
     if sampling.greedy:
         return mx.argmax(weights, axis=-1).astype(mx.int32)
     return mx.random.categorical(weights, axis=-1, key=key).astype(mx.int32)
+
+
+def choose_tokens_per_row(
+    logits: mx.array, configs: Sequence[SamplingConfig], key: mx.array | None
+) -> mx.array:
+    """`choose_tokens` with each row's own temperature, top-p and top-k (one batch, mixed
+    requests). The same rules, vectorized over rows; a top-k cut keeps every token tied
+    with the k-th (mlx-lm keeps exactly k; ties of float log-probs are rare).
+
+    logits: (B, N, V) -> (B, N) int32
+    """
+    logprobs = normalize(logits)  # (B, N, V)
+    vocab_size = logprobs.shape[-1]
+    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    if all(c.greedy for c in configs):
+        return greedy
+    temperature = mx.array([c.temperature or 1.0 for c in configs])[:, None, None]  # (B, 1, 1)
+    top_p = mx.array([c.top_p for c in configs])[:, None, None]
+    top_k = mx.array([c.top_k or vocab_size for c in configs], dtype=mx.int32)[:, None, None]
+    filtered = filter_top_p(logprobs, top_p)  # top_p = 1 keeps every token of nonzero mass
+    descending = -mx.sort(-filtered, axis=-1)  # (B, N, V)
+    kth = mx.take_along_axis(
+        descending, mx.broadcast_to(top_k - 1, (*descending.shape[:2], 1)), axis=-1
+    )  # (B, N, 1)
+    filtered = mx.where(filtered < kth, -mx.inf, filtered)
+    sampled = mx.random.categorical(filtered / temperature, axis=-1, key=key).astype(mx.int32)
+    is_greedy = mx.array([c.greedy for c in configs])[:, None]  # (B, 1)
+    return mx.where(is_greedy, greedy, sampled)

@@ -192,6 +192,39 @@ class TreeLayerCache:
         self.keys = tree_map(lambda x: x[rows], self.keys)
         self.values = tree_map(lambda x: x[rows], self.values)
 
+    def extend(self, other: TreeLayerCache, rows: int, other_rows: int) -> None:
+        """Append other's rows along the batch axis (capacities padded to the larger).
+
+        rows, other_rows: the batch sizes; a side that stored nothing yet (its prompts
+        were one token long) joins as zero rows, which its lengths mask.
+        """
+        if other.keys is None and self.keys is None:
+            return
+        if self.keys is None:
+            self.keys = _zero_rows(other.keys, rows)
+            self.values = _zero_rows(other.values, rows)
+        if other.keys is None:
+            other_keys, other_values = (
+                _zero_rows(self.keys, other_rows),
+                _zero_rows(self.values, other_rows),
+            )
+        else:
+            other_keys, other_values = other.keys, other.values
+        capacity = max(_length(self.keys), _length(other_keys))
+
+        def pad(x: mx.array) -> mx.array:
+            missing = capacity - x.shape[2]
+            if missing == 0:
+                return x
+            zeros = mx.zeros((x.shape[0], x.shape[1], missing, x.shape[3]), dtype=x.dtype)
+            return mx.concatenate([x, zeros], axis=2)
+
+        def join(mine: mx.array, theirs: mx.array) -> mx.array:
+            return mx.concatenate([pad(mine), pad(theirs)], axis=0)
+
+        self.keys = tree_map(join, self.keys, other_keys)
+        self.values = tree_map(join, self.values, other_values)
+
     def state_arrays(self) -> list[mx.array]:
         return [x for x in tree_map(lambda x: x, [self.keys, self.values]) if x is not None]
 
@@ -209,6 +242,11 @@ class QuantizedTreeLayerCache(TreeLayerCache):
 
     def _store(self, x: mx.array) -> Any:
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+
+def _zero_rows(like: Any, rows: int) -> Any:
+    """Zeros shaped like stored keys or values, with `rows` batch rows."""
+    return tree_map(lambda x: mx.zeros((rows, *x.shape[1:]), dtype=x.dtype), like)
 
 
 def _length(stored: Any) -> int:
@@ -318,6 +356,21 @@ class TargetCache:
             layer.select_rows(index)
         self.lengths = self.lengths[index]
         self.host_lengths = [self.host_lengths[r] for r in rows]
+
+    def extend(self, other: TargetCache) -> None:
+        """Append the rows of another cache of the same model (requests joining)."""
+        if len(other.layers) != len(self.layers):
+            raise ValueError("cannot merge caches of different models")
+        if other.batch_size == 0:
+            return
+        if self.batch_size == 0:
+            for mine, theirs in zip(self.layers, other.layers):
+                mine.keys, mine.values = theirs.keys, theirs.values
+        else:
+            for mine, theirs in zip(self.layers, other.layers):
+                mine.extend(theirs, self.batch_size, other.batch_size)
+        self.lengths = mx.concatenate([self.lengths, other.lengths])
+        self.host_lengths = self.host_lengths + other.host_lengths
 
     def arrays(self) -> list[mx.array]:
         return [self.lengths, *(a for layer in self.layers for a in layer.state_arrays())]

@@ -45,6 +45,7 @@ def decode_tokens(
     eos=frozenset(),
     cache_config=None,
     compiled=None,
+    kernels=None,
 ):
     """Run the loop; returns (tokens per prompt, events)."""
     outputs = [[] for _ in prompts]
@@ -59,6 +60,7 @@ def decode_tokens(
         cache_config,
         key,
         compiled=compiled,
+        kernels=kernels,
     ):
         events.append(event)
         for row, tokens in zip(event.row_ids, event.tokens):

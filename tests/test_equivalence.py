@@ -168,3 +168,34 @@ def test_compiled_hot_path_gives_identical_output(trained_llama):
         model, drafter, rows, beam, 20, sampling, mx.random.key(3), compiled=False
     )
     assert first[0] == second[0]
+
+
+def test_requests_join_a_running_batch(trained_llama):
+    """Rows prefilled later and appended mid-decode (continuous batching) stay exact."""
+    from mlx_redrafter.decode import RowProgress, decode_step, prefill, step_functions
+
+    model, drafter, prompts = trained_llama
+    beam = BeamConfig(3, 4)
+    steps = step_functions(model, drafter, beam)
+    first, later = prompts[:2], prompts[2:5]
+    state = prefill(model, first, CacheConfig(), row_ids=[0, 1])
+    outputs: dict[int, list[int]] = {0: [], 1: [], 2: [], 3: [], 4: []}
+    progress = {row: RowProgress(max_tokens=30) for row in outputs}
+    joined = False
+    while state.row_ids:
+        if not joined and len(outputs[0]) >= 7:
+            state.extend(prefill(model, later, CacheConfig(), row_ids=[2, 3, 4]))
+            joined = True
+        output = decode_step(model, steps, state, None)
+        keep = []
+        for position, (row, tokens) in enumerate(zip(state.row_ids, output.tokens)):
+            length = state.cache.host_lengths[position]
+            kept, _, reason = progress[row].take(tokens, length, beam.beam_length, None)
+            outputs[row].extend(kept)
+            if reason is None:
+                keep.append(position)
+        if len(keep) != len(state.row_ids):
+            state.select_rows(keep)
+    assert joined
+    for row, prompt in enumerate(prompts[:5]):
+        assert outputs[row] == mlx_lm_greedy(model, prompt, 30), row

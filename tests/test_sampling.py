@@ -19,10 +19,11 @@ from conftest import decode_tokens
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from tiny_models import tiny_model
 
-import mlx_redrafter.decode as decode_module
 from mlx_redrafter.accept import accept
+from mlx_redrafter.beam_search import expand_beams
 from mlx_redrafter.config import BeamConfig, SamplingConfig
 from mlx_redrafter.drafter import Drafter
+from mlx_redrafter.kernels import Kernels
 from mlx_redrafter.sampling import filter_top_k, filter_top_p
 from mlx_redrafter.target import prepare_target
 from mlx_redrafter.train import FitConfig, fit
@@ -93,9 +94,16 @@ def small_vocab_target():
     return model, drafter
 
 
-def sample_sequences(model, drafter, sampling, beam, seed):
+def sample_sequences(model, drafter, sampling, beam, seed, kernels=None):
     outputs, events = decode_tokens(
-        model, drafter, [PROMPT] * SAMPLES, beam, LENGTH, sampling=sampling, key=mx.random.key(seed)
+        model,
+        drafter,
+        [PROMPT] * SAMPLES,
+        beam,
+        LENGTH,
+        sampling=sampling,
+        key=mx.random.key(seed),
+        kernels=kernels,
     )
     counts: dict[tuple[int, ...], int] = {}
     for output in outputs:
@@ -133,7 +141,7 @@ def test_unshared_tree_sampling_is_exact(small_vocab_target):
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
 
-def test_the_test_catches_inexact_acceptance(small_vocab_target, monkeypatch):
+def test_the_test_catches_inexact_acceptance(small_vocab_target):
     """Independent draws at duplicate copies of a prefix favour acceptance: rejected."""
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
@@ -142,9 +150,9 @@ def test_the_test_catches_inexact_acceptance(small_vocab_target, monkeypatch):
     def per_copy_acceptance(beams, unpack, canonical, choices):
         return accept(beams, unpack, unpack, choices)
 
-    monkeypatch.setattr(decode_module, "accept", per_copy_acceptance)
+    broken = Kernels("inexact", expand_beams, per_copy_acceptance)
     beam = BeamConfig(3, 3, share_prefixes=False)
-    counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2)
+    counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2, kernels=broken)
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
 
 
@@ -176,3 +184,36 @@ def test_filters_agree_with_mlx_lm():
         assert mx.array_equal(
             mx.isinf(filter_top_k(logprobs, top_k)), mx.isinf(apply_top_k(logprobs, top_k))
         ).item()
+
+
+def test_rows_with_different_rules_share_a_batch_exactly(small_vocab_target):
+    """One batch, half the rows at t=1.0, half at t=0.7 with top-k 4 (per-row sampling)."""
+    model, drafter = small_vocab_target
+    rules = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4)]
+    per_row = [rules[i % 2] for i in range(2 * SAMPLES)]
+    outputs, _ = decode_tokens(
+        model,
+        drafter,
+        [PROMPT] * len(per_row),
+        BeamConfig(3, 3),
+        LENGTH,
+        sampling=per_row,
+        key=mx.random.key(5),
+    )
+    for parity, rule in enumerate(rules):
+        counts: dict[tuple[int, ...], int] = {}
+        for output in outputs[parity::2]:
+            counts[tuple(output)] = counts.get(tuple(output), 0) + 1
+        expected = exact_distribution(model, rule)
+        assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3, rule
+        assert not {o for o, p in expected.items() if p == 0.0} & set(counts)
+
+
+def test_greedy_rows_stay_greedy_in_a_mixed_batch(small_vocab_target):
+    model, drafter = small_vocab_target
+    per_row = [SamplingConfig(), SamplingConfig(temperature=1.0)] * 4
+    outputs, _ = decode_tokens(
+        model, drafter, [PROMPT] * 8, BeamConfig(3, 3), 6, sampling=per_row, key=mx.random.key(1)
+    )
+    greedy, _ = decode_tokens(model, drafter, [PROMPT], BeamConfig(3, 3), 6)
+    assert all(output == greedy[0] for output in outputs[0::2])

@@ -4,6 +4,6 @@ Each module has `register(commands)`, which adds its subparser and sets
 `run=<function(args) -> exit code>` as the parser default.
 """
 
-from . import bench, generate
+from . import bench, generate, kernels
 
-COMMANDS = [generate, bench]
+COMMANDS = [generate, bench, kernels]

@@ -1,0 +1,1 @@
+"""Run the project's Metal kernel text as C++ on the host (see emulate.py)."""
