@@ -27,6 +27,7 @@ from mlx_redrafter.kernels import Kernels
 from mlx_redrafter.sampling import filter_top_k, filter_top_p
 from mlx_redrafter.target import prepare_target
 from mlx_redrafter.train import FitConfig, fit
+from mlx_redrafter.tree import pack_tree
 
 VOCAB = 6
 LENGTH = 3
@@ -150,7 +151,7 @@ def test_the_test_catches_inexact_acceptance(small_vocab_target):
     def per_copy_acceptance(beams, unpack, canonical, choices):
         return accept(beams, unpack, unpack, choices)
 
-    broken = Kernels("inexact", expand_beams, per_copy_acceptance)
+    broken = Kernels("inexact", expand_beams, pack_tree, per_copy_acceptance)
     beam = BeamConfig(3, 3, share_prefixes=False)
     counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2, kernels=broken)
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
