@@ -4,6 +4,6 @@ Each module has `register(commands)`, which adds its subparser and sets
 `run=<function(args) -> exit code>` as the parser default.
 """
 
-from . import bench, generate, kernels
+from . import bench, chat, generate, kernels, serve
 
-COMMANDS = [generate, bench, kernels]
+COMMANDS = [generate, bench, kernels, chat, serve]

@@ -1,0 +1,228 @@
+"""A terminal chat over `stream_generate`: multi-turn, streamed, with live statistics.
+
+Commands: /reset (forget the conversation), /stats (tau, tokens/s and speed-up of the
+last reply), /help, /quit. Ctrl-C stops the current reply and keeps the session;
+Ctrl-D or /quit leaves. With `show_drafts`, text from drafted tokens the target
+accepted is coloured, so speculation can be watched at work; the target's own token of
+each step is printed plainly.
+
+Speed-up: tau x (plain step time / speculative step time). The plain step time is
+measured once, by decoding a few tokens of the conversation plainly (no drafter) the
+first time /stats needs it, so the baseline runs on the same machine and context.
+"""
+
+from __future__ import annotations
+
+import select
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import mlx.nn as nn
+
+from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.drafter import Drafter
+from mlx_redrafter.generate import GenerationResponse, stream_generate
+
+from .prompts import chat_tokens
+
+DRAFTED = "\033[32m"  # green: drafted by the drafter and accepted by the target
+RESET = "\033[0m"
+BASELINE_TOKENS = 16
+
+HELP = """commands:
+  /reset   forget the conversation
+  /stats   tau, tokens/s and speed-up of the last reply
+  /help    this text
+  /quit    leave (Ctrl-D too); Ctrl-C stops a reply"""
+
+
+@dataclass
+class ReplyStats:
+    """Figures of one reply."""
+
+    last: GenerationResponse
+    seconds: float
+    stopped: bool  # interrupted with Ctrl-C
+
+    @property
+    def step_seconds(self) -> float:
+        """Mean wall-clock of one decoding step (excluding prefill)."""
+        if not self.last.steps or not self.last.generation_tps:
+            return 0.0
+        decode_seconds = self.last.generation_tokens / self.last.generation_tps
+        return decode_seconds / self.last.steps
+
+
+@dataclass
+class ChatSession:
+    """A conversation with the model; `reply` streams the answer to `out`."""
+
+    model: nn.Module
+    drafter: Drafter | None
+    tokenizer: Any
+    beam: BeamConfig = field(default_factory=BeamConfig)
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    system: str | None = None
+    show_drafts: bool = False
+    out: TextIO = sys.stdout
+    messages: list[dict[str, str]] = field(default_factory=list)
+    last: ReplyStats | None = None
+    plain_step_seconds: float | None = None
+
+    def reset(self) -> None:
+        self.messages = []
+        self.last = None
+
+    def prompt(self) -> list[int]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return chat_tokens(self.tokenizer, system + self.messages)
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def reply(self, user_text: str) -> str:
+        """Add the user's turn, stream the model's answer, and keep it in the conversation."""
+        self.messages.append({"role": "user", "content": user_text})
+        detokenizer = self.tokenizer.detokenizer
+        pieces: list[str] = []
+        last: GenerationResponse | None = None
+        stopped = False
+        started = time.perf_counter()
+        responses = None
+        try:
+            responses = stream_generate(
+                self.model,
+                self.drafter,
+                self.tokenizer,
+                self.prompt(),
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                beam=self.beam,
+            )
+            for response in responses:
+                last = response
+                if self.show_drafts:
+                    self._write_coloured(detokenizer, response)
+                else:
+                    self._write(response.text)
+                pieces.append(response.text)
+        except KeyboardInterrupt:
+            stopped = True
+            close = getattr(responses, "close", None)
+            if close is not None:  # end the generator now, not when collected
+                close()
+        if self.show_drafts:
+            detokenizer.finalize()
+            self._write(detokenizer.last_segment)
+        self._write(" [stopped]\n" if stopped else "\n")
+        text = "".join(pieces)
+        self.messages.append({"role": "assistant", "content": text})
+        if last is not None:
+            self.last = ReplyStats(last, time.perf_counter() - started, stopped)
+        return text
+
+    def _write_coloured(self, detokenizer: Any, response: GenerationResponse) -> None:
+        for position, token in enumerate(response.tokens):
+            detokenizer.add_token(token)
+            segment = detokenizer.last_segment
+            drafted = position < response.num_accepted
+            self._write(f"{DRAFTED}{segment}{RESET}" if drafted and segment else segment)
+
+    def measure_plain_step(self) -> float:
+        """Seconds per plain decoding step on the current conversation (measured once)."""
+        if self.plain_step_seconds is None:
+            responses = stream_generate(
+                self.model, None, self.tokenizer, self.prompt(), max_tokens=BASELINE_TOKENS
+            )
+            last = list(responses)[-1]
+            self.plain_step_seconds = 1.0 / max(last.generation_tps, 1e-9)
+        return self.plain_step_seconds
+
+    def stats(self) -> str:
+        if self.last is None:
+            return "no reply yet"
+        last = self.last.last
+        lines = [
+            f"last reply: {last.generation_tokens} tokens in {last.steps} target steps"
+            + (" (stopped)" if self.last.stopped else ""),
+            f"tau (tokens per target step): {last.tokens_per_step:.2f}",
+            f"speed: {last.generation_tps:.1f} tokens/s "
+            f"(prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tokens/s)",
+        ]
+        if self.drafter is None:
+            lines.append("speed-up: 1.00x (plain decoding: no drafter loaded)")
+        elif last.steps:
+            plain = self.measure_plain_step()
+            speculative = self.last.step_seconds
+            speedup = last.tokens_per_step * plain / max(speculative, 1e-9)
+            lines.append(
+                f"speed-up: {speedup:.2f}x = tau {last.tokens_per_step:.2f} x plain step "
+                f"{plain * 1e3:.1f} ms / speculative step {speculative * 1e3:.1f} ms "
+                f"(W={self.beam.beam_width} L={self.beam.beam_length}; plain step measured "
+                f"once on this conversation, {BASELINE_TOKENS} tokens)"
+            )
+        return "\n".join(lines)
+
+
+def terminal_input(prompt: str) -> str:
+    """`input` for a terminal that Ctrl-C always interrupts.
+
+    A blocking read is interrupted only when SIGINT reaches the main thread, and MLX's
+    and BLAS's threads may take it instead: the read would then wait for Enter. Waiting
+    in short selects lets Python check for the signal in between. (In canonical mode a
+    terminal read returns one line, so nothing is left in Python's buffer.)
+    """
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    while not select.select([sys.stdin], [], [], 0.1)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
+def run_chat(
+    session: ChatSession, read: Callable[[str], str] = input, out: TextIO | None = None
+) -> int:
+    """The read-reply loop; returns the exit code."""
+    out = out or session.out
+    while True:
+        try:
+            line = read(">>> ").strip()
+        except EOFError:
+            out.write("\n")
+            return 0
+        except KeyboardInterrupt:
+            out.write("\n(/quit to leave)\n")
+            continue
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            session.reset()
+            out.write("(conversation cleared)\n")
+        elif line == "/stats":
+            out.write(session.stats() + "\n")
+        elif line == "/help":
+            out.write(HELP + "\n")
+        elif line.startswith("/"):
+            out.write(f"unknown command {line.split()[0]}; /help lists them\n")
+        else:
+            try:
+                session.reply(line)
+            except KeyboardInterrupt:  # a second Ctrl-C while the reply was wrapping up
+                out.write(" [stopped]\n")
+        out.flush()

@@ -1,0 +1,75 @@
+"""`mlx-redrafter chat`: a multi-turn chat in the terminal, streamed, with /stats."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Any
+
+from ..config import BeamConfig
+from ..generate import DEFAULT_BEAM
+from ..loading import NoShippedDrafterWarning, load
+from .generate import add_model_arguments
+
+
+def register(commands: Any) -> None:
+    """Add the `chat` subcommand to the `mlx-redrafter` parser."""
+    chat = commands.add_parser(
+        "chat",
+        help="chat with the model in the terminal",
+        description="Multi-turn chat with the model's chat template, streamed token by "
+        "token. Commands: /reset, /stats (tau, tokens/s, speed-up of the last reply), "
+        "/help, /quit. Ctrl-C stops the current reply.",
+        epilog="example: mlx-redrafter chat --show-drafts",
+    )
+    add_model_arguments(chat)
+    chat.add_argument("--system", default=None, help="a system message opening the chat")
+    chat.add_argument("--max-tokens", type=int, default=512, help="longest reply (tokens)")
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
+    chat.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument(
+        "--show-drafts",
+        action="store_true",
+        help="colour the text of drafted tokens the target accepted (green)",
+    )
+    chat.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoShippedDrafterWarning)
+        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
+    for warning in caught:
+        print(f"note: {warning.message}", file=sys.stderr)
+    if args.no_drafter:
+        drafter = None
+    beam = BeamConfig(args.beam_width, args.beam_length)
+    session = ChatSession(
+        model,
+        drafter,
+        tokenizer,
+        beam=beam,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        system=args.system,
+        show_drafts=args.show_drafts,
+    )
+    mode = (
+        "plain decoding (no drafter)"
+        if drafter is None
+        else f"ReDrafter W={beam.beam_width} L={beam.beam_length}"
+    )
+    print(f"chat ({mode}); /help lists the commands, /quit leaves", file=sys.stderr)
+    if args.show_drafts and drafter is not None:
+        print(f"{DRAFTED}green{RESET}: text from drafted tokens the target accepted")
+    return run_chat(session, read=terminal_input if sys.stdin.isatty() else input)

@@ -1,0 +1,108 @@
+"""`mlx-redrafter serve`: an OpenAI-compatible server with continuous batching, and a chat
+page at `/`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..loading import NoShippedDrafterWarning, load
+from .generate import add_model_arguments
+
+SERVE_EXTRA = "pip install 'mlx-redrafter[serve]'  (starlette and uvicorn)"
+
+
+def register(commands: Any) -> None:
+    """Add the `serve` subcommand to the `mlx-redrafter` parser."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API and a chat page",
+        description="Serve /v1/chat/completions, /v1/completions and /v1/models "
+        "(streaming or not) and a chat page at /. Requests that arrive while others "
+        "decode join the running batch at the next step.",
+        epilog="example: mlx-redrafter serve --port 8080, then open http://127.0.0.1:8080/",
+    )
+    add_model_arguments(serve)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
+    )
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument(
+        "--beams",
+        default=None,
+        help="beam shape by batch size, MAXBATCH:WxL comma-separated, plain beyond the "
+        "last tier; 'plain' never speculates (default: the measured policy, "
+        "'1:3x3,4:2x3')",
+    )
+    serve.add_argument(
+        "--fixed-beams",
+        action="store_true",
+        help="always use the --beams shape; by default the server measures tau and step "
+        "times as it runs and decodes plainly where the tree does not pay",
+    )
+    serve.add_argument(
+        "--max-batch", type=int, default=16, help="rows decoded together (default: 16)"
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=int,
+        default=512,
+        help="reply length when a request gives no max_tokens (default: 512)",
+    )
+    serve.add_argument("--seed", type=int, default=None, help="seed of the sampling stream")
+    serve.set_defaults(run=run)
+
+
+def model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
+    """The id /v1/models shows, and other names requests may use for it."""
+    if model is None:
+        from ..defaults import DEFAULT_MODEL_NAME
+
+        return DEFAULT_MODEL_NAME, ("default",)
+    name = Path(model).name or model
+    return name, (model, "default")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from apps.batcher import DEFAULT_POLICY, Batcher, BeamPolicy, SpeedGuard
+        from apps.server import Server, create_app
+    except ImportError as error:
+        raise ValueError(f"the server needs {SERVE_EXTRA}: {error}") from None
+    policy = DEFAULT_POLICY if args.beams is None else BeamPolicy.parse(args.beams)
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NoShippedDrafterWarning)
+        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
+    for warning in caught:
+        print(f"note: {warning.message}", file=sys.stderr)
+    if args.no_drafter:
+        drafter = None
+    guard = None if args.fixed_beams else SpeedGuard()
+    batcher = Batcher(
+        model, drafter, tokenizer, policy, max_batch=args.max_batch, seed=args.seed, guard=guard
+    )
+    batcher.warm_up()
+    model_id, aliases = model_names(args.model)
+    app = create_app(Server(batcher, model_id, aliases, default_max_tokens=args.max_tokens))
+    mode = "plain decoding" if drafter is None else f"ReDrafter, {batcher.policy.describe()}"
+    if drafter is not None and guard is not None:
+        mode += "; plain where the tree measurably does not pay"
+    print(
+        f"serving {model_id} ({mode}) on http://{args.host}:{args.port}/  "
+        f"(OpenAI API at /v1, chat page at /)",
+        file=sys.stderr,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"note: listening on {args.host}, not only on this machine", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        batcher.close()
+    return 0
