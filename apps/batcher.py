@@ -417,17 +417,22 @@ class Batcher:
             return True
         return False
 
+    def _job_key(self, job: Job) -> mx.array:
+        """A request's own PRNG key: from its seed (reproducible whatever shares the
+        batch), else the next key of the batcher's stream."""
+        if job.seed is not None:
+            return mx.random.key(job.seed)
+        self._key, key = mx.random.split(self._key)
+        return key
+
     def _admit(self, state: DecodeState | None, jobs: list[Job]) -> DecodeState:
-        if not self._rows:
-            seeds = [job.seed for job in jobs if job.seed is not None]
-            if seeds:
-                self._key = mx.random.key(seeds[0])
         fresh = prefill(
             self.model,
             [job.prompt for job in jobs],
             self.cache_config,
             sampling=[job.sampling for job in jobs],
             row_ids=[job.id for job in jobs],
+            keys=mx.stack([self._job_key(job) for job in jobs]),
         )
         for job in jobs:
             self._rows[job.id] = _Row(
@@ -446,11 +451,8 @@ class Batcher:
         if self.guard is not None:
             beam = self.guard.choose(beam, batch_size)
         functions = self._functions(beam)
-        step_key = None
-        if not all(rule.greedy for rule in state.sampling):
-            self._key, step_key = mx.random.split(self._key)
         started = time.perf_counter()
-        output = decode_step(self.model, functions, state, step_key)
+        output = decode_step(self.model, functions, state)
         seconds = time.perf_counter() - started
         if self.guard is not None:
             tau = 1 + sum(output.num_accepted) / batch_size

@@ -109,7 +109,7 @@ def step_costs(args: argparse.Namespace) -> int:
         for index in range(args.warmup + args.steps):
             for position, (function, state) in enumerate(zip(functions, states)):
                 started = time.perf_counter()
-                decode_step(model, function, state, None)
+                decode_step(model, function, state)
                 if index >= args.warmup:
                     times[position].append(time.perf_counter() - started)
         for beam, seconds in zip(beams, times):

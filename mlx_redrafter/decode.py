@@ -23,7 +23,7 @@ from .beam_search import beam_search
 from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
-from .sampling import choose_tokens
+from .sampling import choose_tokens, position_keys
 from .target import TargetCache, context_length, target_forward, target_hidden
 from .tree import PackedTree, chain_tree
 
@@ -39,6 +39,8 @@ class DecodeState:
     hidden: (B, D) target hidden state at each row's last committed position.
     row_ids: which request each batch row serves.
     sampling: each row's sampling rules.
+    keys: (B, 2) each row's PRNG key; the token at position p is sampled with noise
+        keyed by (key, p) (`sampling.position_keys`), so it never depends on the steps.
     """
 
     cache: TargetCache
@@ -46,6 +48,7 @@ class DecodeState:
     hidden: mx.array
     row_ids: list[int]
     sampling: list[SamplingConfig]
+    keys: mx.array
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows at the given positions."""
@@ -55,6 +58,7 @@ class DecodeState:
         self.hidden = self.hidden[index]
         self.row_ids = [self.row_ids[r] for r in rows]
         self.sampling = [self.sampling[r] for r in rows]
+        self.keys = self.keys[index]
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
@@ -63,6 +67,13 @@ class DecodeState:
         self.hidden = mx.concatenate([self.hidden, other.hidden.astype(self.hidden.dtype)])
         self.row_ids = self.row_ids + other.row_ids
         self.sampling = self.sampling + other.sampling
+        self.keys = mx.concatenate([self.keys, other.keys])
+
+    def node_keys(self, positions: mx.array) -> mx.array | None:
+        """(B, N, 2) PRNG keys of the nodes at `positions` (B, N); None if all greedy."""
+        if all(rule.greedy for rule in self.sampling):
+            return None
+        return position_keys(self.keys, positions)
 
 
 @dataclass(frozen=True)
@@ -80,12 +91,14 @@ def prefill(
     cache_config: CacheConfig,
     sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
     row_ids: Sequence[int] | None = None,
+    keys: mx.array | None = None,
 ) -> DecodeState:
     """Commit every prompt but its last token; the last token roots the first tree.
 
     Rows of different lengths are right-padded per chunk; padding is never committed.
     sampling: the rules of all rows, or of each row; row_ids: the requests the rows
-    serve (default 0..B-1).
+    serve (default 0..B-1); keys: one PRNG key (2,), split into a key per row, or the
+    rows' own keys (B, 2) (required when a row samples).
     """
     batch_size = len(prompts)
     cache = TargetCache(model, batch_size, cache_config)
@@ -112,7 +125,21 @@ def prefill(
     if len(rules) != batch_size:
         raise ValueError(f"{len(rules)} sampling configs for {batch_size} prompts")
     ids = list(range(batch_size)) if row_ids is None else list(row_ids)
-    return DecodeState(cache, root_tokens, hidden, ids, rules)
+    return DecodeState(cache, root_tokens, hidden, ids, rules, row_keys(keys, rules))
+
+
+def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array:
+    """(B, 2) per-row PRNG keys from one key (split per row) or from per-row keys."""
+    batch_size = len(rules)
+    if keys is None:
+        if not all(rule.greedy for rule in rules):
+            raise ValueError("sampling needs an MLX PRNG key (mx.random.key(seed))")
+        return mx.zeros((batch_size, 2), dtype=mx.uint32)
+    if keys.ndim == 1:
+        return mx.random.split(keys, batch_size)  # (B, 2)
+    if keys.shape != (batch_size, 2):
+        raise ValueError(f"keys must have shape (2,) or ({batch_size}, 2), got {keys.shape}")
+    return keys
 
 
 @dataclass(frozen=True)
@@ -210,7 +237,6 @@ def decode_step(
     model: nn.Module,
     steps: StepFunctions,
     state: DecodeState,
-    key: mx.array | None,
     clock: PhaseClock | None = None,
 ) -> StepOutput:
     """One speculative step for every row, with exactly one host sync at the end
@@ -223,7 +249,8 @@ def decode_step(
     tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
-    choices = choose_tokens(logits, state.sampling, key)  # (B, N)
+    keys = state.node_keys(state.cache.positions)  # (B, N, 2): by absolute position
+    choices = choose_tokens(logits, state.sampling, keys)  # (B, N)
     if clock:
         clock.mark("verify", hidden, choices)
     # Accept: walk the tree along the target's choices.
@@ -335,7 +362,8 @@ def speculative_decode(
     `sampling` is one config for every row or one per prompt.
     A consumer that decides a row must end (a stop string, a closed client) adds
     its index to `stopped_rows`; the row leaves the batch before the next step.
-    `key` is the MLX PRNG key for sampling (split once per step). `compiled` forces
+    `key` is the MLX PRNG key for sampling: one key (2,), split into a key per row, or
+    each row's own key (B, 2). `compiled` forces
     mx.compile on or off for the draft/pack/accept functions (default: on the GPU only).
     `clock` profiles the phases of every step (adding a host sync per phase).
     `kernels` picks the expansion/acceptance implementation (see `step_functions`).
@@ -344,25 +372,21 @@ def speculative_decode(
     stopped_rows = stopped_rows if stopped_rows is not None else set()
     if stop.max_tokens == 0 or not prompts:
         return
-    rules = [sampling] if isinstance(sampling, SamplingConfig) else list(sampling)
-    if key is None and not all(rule.greedy for rule in rules):
-        raise ValueError("sampling needs an MLX PRNG key (mx.random.key(seed))")
     if drafter is None:
         beam = PLAIN_DECODING
     steps = step_functions(model, drafter, beam, compiled, kernels)
     limit = context_length(model)
     started = time.perf_counter()
-    state = prefill(model, prompts, cache_config, sampling)
+    rules = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
+    keys = row_keys(key, rules)  # checked before the prefill's work
+    state = prefill(model, prompts, cache_config, rules, keys=keys)
     prefill_seconds = time.perf_counter() - started
     progress = [RowProgress(stop.max_tokens, stop.eos_token_ids) for _ in prompts]
     while state.row_ids:
         step_started = time.perf_counter()
-        step_key = None
-        if key is not None:
-            key, step_key = mx.random.split(key)
         if clock:
             clock.start()
-        output = decode_step(model, steps, state, step_key, clock)
+        output = decode_step(model, steps, state, clock)
         finished: dict[int, str] = {}
         emitted: list[list[int]] = []
         counted: list[int] = []

@@ -56,26 +56,55 @@ def target_distribution(logits: mx.array, sampling: SamplingConfig) -> mx.array:
     return logprobs * (1.0 / sampling.temperature)
 
 
+def position_keys(row_keys: mx.array, positions: mx.array) -> mx.array:
+    """The PRNG key of the token at each position: (B, 2) row keys, (B, N) -> (B, N, 2)."""
+    batch_size, num_tokens = positions.shape
+    first = mx.broadcast_to(row_keys[:, None, 0], (batch_size, num_tokens))
+    second = row_keys[:, None, 1] ^ positions.astype(mx.uint32)
+    return mx.stack([first, second], axis=-1)
+
+
+def categorical_by_position(weights: mx.array, keys: mx.array) -> mx.array:
+    """Gumbel-max sampling with the noise of each node's key.
+
+    weights: (B, N, V) unnormalized log-weights; keys: (B, N, 2) -> (B, N) int32.
+    With `position_keys`, the noise of a node depends only on its row's key and its
+    absolute position: the walk uses one node per position, so each emitted token is
+    an independent exact sample, and a seeded row emits the same tokens as plain
+    sampling with that seed, whatever the tree or the batch.
+    """
+    batch_size, num_tokens, vocab_size = weights.shape
+    flat_keys = keys.reshape(batch_size * num_tokens, 2)  # (B*N, 2)
+    noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab_size,), key=key))(flat_keys)
+    noise = noise.reshape(batch_size, num_tokens, vocab_size)  # (B, N, V)
+    return mx.argmax(weights + noise, axis=-1).astype(mx.int32)
+
+
 def choose_tokens(
-    logits: mx.array, sampling: SamplingConfig | Sequence[SamplingConfig], key: mx.array | None
+    logits: mx.array,
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    keys: mx.array | None,
 ) -> mx.array:
     """One target choice per node: argmax, or an independent sample.
 
     logits: (B, N, V); sampling: one config for all rows, or one per row;
-    key: an MLX PRNG key (required when any row samples) -> (B, N) int32
+    keys: (B, N, 2) each node's PRNG key (`position_keys`; required when a row samples)
+    -> (B, N) int32
     """
     if not isinstance(sampling, SamplingConfig):
         if len(set(sampling)) > 1:
-            return choose_tokens_per_row(logits, sampling, key)
+            return choose_tokens_per_row(logits, sampling, keys)
         sampling = sampling[0]
     weights = target_distribution(logits, sampling)
     if sampling.greedy:
         return mx.argmax(weights, axis=-1).astype(mx.int32)
-    return mx.random.categorical(weights, axis=-1, key=key).astype(mx.int32)
+    if keys is None:
+        raise ValueError("sampling needs PRNG keys")
+    return categorical_by_position(weights, keys)
 
 
 def choose_tokens_per_row(
-    logits: mx.array, configs: Sequence[SamplingConfig], key: mx.array | None
+    logits: mx.array, configs: Sequence[SamplingConfig], keys: mx.array | None
 ) -> mx.array:
     """`choose_tokens` with each row's own temperature, top-p and top-k (one batch, mixed
     requests). The same rules, vectorized over rows; a top-k cut keeps every token tied
@@ -97,6 +126,8 @@ def choose_tokens_per_row(
         descending, mx.broadcast_to(top_k - 1, (*descending.shape[:2], 1)), axis=-1
     )  # (B, N, 1)
     filtered = mx.where(filtered < kth, -mx.inf, filtered)
-    sampled = mx.random.categorical(filtered / temperature, axis=-1, key=key).astype(mx.int32)
+    if keys is None:
+        raise ValueError("sampling needs PRNG keys")
+    sampled = categorical_by_position(filtered / temperature, keys)
     is_greedy = mx.array([c.greedy for c in configs])[:, None]  # (B, 1)
     return mx.where(is_greedy, greedy, sampled)

@@ -186,7 +186,7 @@ def test_requests_join_a_running_batch(trained_llama):
         if not joined and len(outputs[0]) >= 7:
             state.extend(prefill(model, later, CacheConfig(), row_ids=[2, 3, 4]))
             joined = True
-        output = decode_step(model, steps, state, None)
+        output = decode_step(model, steps, state)
         keep = []
         for position, (row, tokens) in enumerate(zip(state.row_ids, output.tokens)):
             length = state.cache.host_lengths[position]

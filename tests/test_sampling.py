@@ -143,17 +143,20 @@ def test_unshared_tree_sampling_is_exact(small_vocab_target):
 
 
 def test_the_test_catches_inexact_acceptance(small_vocab_target):
-    """Independent draws at duplicate copies of a prefix favour acceptance: rejected."""
+    """An acceptance that sometimes trusts the drafter over the target's own draw (here:
+    30% of rows take the drafter's first token at the root) must fail the same test."""
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_distribution(model, sampling)
 
-    def per_copy_acceptance(beams, unpack, canonical, choices):
-        return accept(beams, unpack, unpack, choices)
+    def lenient_acceptance(beams, unpack, canonical, choices):
+        trusted = mx.random.uniform(shape=(beams.shape[0],), key=mx.random.key(0)) < 0.3
+        root = mx.where(trusted, beams[:, 0, 1], choices[:, 0])
+        choices = mx.concatenate([root[:, None], choices[:, 1:]], axis=1)
+        return accept(beams, unpack, canonical, choices)
 
-    broken = Kernels("inexact", expand_beams, pack_tree, per_copy_acceptance)
-    beam = BeamConfig(3, 3, share_prefixes=False)
-    counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2, kernels=broken)
+    broken = Kernels("inexact", expand_beams, pack_tree, lenient_acceptance)
+    counts, _ = sample_sequences(model, drafter, sampling, BeamConfig(3, 3), seed=2, kernels=broken)
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
 
 
@@ -218,3 +221,49 @@ def test_greedy_rows_stay_greedy_in_a_mixed_batch(small_vocab_target):
     )
     greedy, _ = decode_tokens(model, drafter, [PROMPT], BeamConfig(3, 3), 6)
     assert all(output == greedy[0] for output in outputs[0::2])
+
+
+def test_a_seeded_row_samples_the_same_alone_and_in_a_batch(small_vocab_target):
+    """Each row carries its own PRNG key, so batch company does not change its draws."""
+    model, drafter = small_vocab_target
+    rule = SamplingConfig(temperature=1.0)
+    mine = mx.random.key(11)
+    alone, _ = decode_tokens(
+        model, drafter, [PROMPT], BeamConfig(3, 3), 12, sampling=rule, key=mine[None]
+    )
+    others = mx.stack([mx.random.key(1), mine, mx.random.key(2)])
+    prompts = [[3, 1], PROMPT, [5, 5, 5, 2]]
+    rules = [SamplingConfig(temperature=0.8), rule, SamplingConfig()]
+    batched, _ = decode_tokens(
+        model, drafter, prompts, BeamConfig(3, 3), 12, sampling=rules, key=others
+    )
+    assert batched[1] == alone[0]
+    assert batched[0] != alone[0]
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=4)],
+    ids=["t1", "t0.7-topp-topk"],
+)
+def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_target, rule):
+    """The noise of a token is keyed by its position, so for a fixed seed the tree only
+    changes how many target steps it takes, never which tokens come out."""
+    model, drafter = small_vocab_target
+    keys = mx.stack([mx.random.key(seed) for seed in range(16)])
+    prompts = [PROMPT] * 16
+    plain, plain_events = decode_tokens(
+        model, None, prompts, BeamConfig(1, 1), 16, sampling=rule, key=keys
+    )
+    assert len({tuple(p) for p in plain}) > 8  # the seeds really sample differently
+    for beam in (
+        BeamConfig(3, 3),
+        BeamConfig(2, 5),
+        BeamConfig(4, 4, share_prefixes=False),
+        BeamConfig(4, 4, tree_budget=6),
+    ):
+        speculative, events = decode_tokens(
+            model, drafter, prompts, beam, 16, sampling=rule, key=keys
+        )
+        assert speculative == plain, beam
+        assert len(events) < len(plain_events)  # and it took fewer target steps
