@@ -275,7 +275,10 @@ class Emulator:
                 payload.append(struct.pack(f"=i{x.ndim}i", x.ndim, *x.shape) + data.tobytes())
             for shape in output_shapes:
                 payload.append(struct.pack(f"=i{len(shape)}i", len(shape), *shape))
-        env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0"}
+        # The sanitizer runtime must be the first library loaded: drop any preload (the
+        # test command preloads OpenBLAS for MLX, which these binaries do not use).
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0"
         result = subprocess.run(
             [str(binary)], input=b"".join(payload), capture_output=True, env=env
         )
