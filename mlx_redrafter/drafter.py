@@ -334,6 +334,8 @@ class Drafter(nn.Module):
                     f"the config implies {tuple(shape)}"
                 )
         drafter.load_weights(list(weights.items()), strict=False)
+        if mx.default_device() == mx.cpu and quantization is None:
+            drafter.set_dtype(mx.float32)  # half-precision matmuls are slow on the CPU backend
         mx.eval(drafter.parameters())
         return drafter
 

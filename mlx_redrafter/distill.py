@@ -1,0 +1,412 @@
+"""Self-distillation: the target writes the drafter's training data.
+
+Prompts come from JSONL (`{"prompt": ...}` or ShareGPT-style
+`{"conversations": [{"from": "human", "value": ...}, ...]}`), get the chat
+template, and are decoded in batches by `speculative_decode` (plain decoding
+when no drafter is given). Each finished batch becomes one shard,
+`shard-XXXXX.npz`, written to a temporary name, fsync'd and renamed into place,
+so the folder only ever holds complete shards. A restarted run reads the ids
+already present in the shards and continues with the rest: an interruption
+loses at most the batch in flight.
+
+Shard arrays (R records):
+  ids (R,) str: the record ids (the JSONL `id`, else `line-<n>`).
+  tokens (sum of lengths,) uint16/int32: prompt + completion of every record, concatenated.
+  lengths (R,) int32: tokens per record; prompt_lengths (R,) int32: of which prompt.
+  finish (R,) int8: 1 when the completion ended with EOS (the EOS id is kept), 0 at the limit.
+
+`manifest.json` holds the settings; resuming with different settings is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
+from .decode import speculative_decode
+from .drafter import Drafter
+
+MANIFEST = "manifest.json"
+SHARD_GLOB = "shard-*.npz"
+
+
+class PromptRecord(NamedTuple):
+    """One prompt to distill: its id, its source tag and its chat messages."""
+
+    id: str
+    source: str
+    messages: list[dict[str, str]]
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def _messages_from(record: Any) -> list[dict[str, str]]:
+    """The chat messages of a JSONL record, up to its first user turn."""
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    prompt = record.get("prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError('"prompt" must be a non-empty string')
+        return [{"role": "user", "content": prompt}]
+    turns = record.get("conversations", record.get("messages"))
+    if turns is None and isinstance(record.get("turns"), list):  # MT-Bench: first turn
+        turns = [{"role": "user", "content": t} for t in record["turns"][:1]]
+    if not isinstance(turns, list):
+        raise ValueError('no "prompt" string and no "conversations" list')
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            raise ValueError("a conversation turn is not an object")
+        role = turn.get("from", turn.get("role"))
+        content = turn.get("value", turn.get("content"))
+        if role == "system" and isinstance(content, str):
+            messages.append({"role": "system", "content": content})
+            continue
+        if _ROLES.get(str(role)) == "user" and isinstance(content, str) and content.strip():
+            messages.append({"role": "user", "content": content})
+            return messages
+    raise ValueError("the conversation has no non-empty user turn")
+
+
+def read_prompts(
+    path: str | os.PathLike[str],
+    strict: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> list[PromptRecord]:
+    """Prompt records from a JSONL file; bad lines are reported and skipped (or raise)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no prompts file at {file}")
+    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
+    records: list[PromptRecord] = []
+    seen: set[str] = set()
+    with open(file, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                if not line.strip():
+                    raise ValueError("empty line")
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"invalid JSON ({error.msg})") from None
+                messages = _messages_from(raw)
+                record_id = str(raw.get("id", raw.get("question_id", f"line-{number}")))
+                if record_id in seen:
+                    raise ValueError(f"duplicate id {record_id!r}")
+            except ValueError as error:
+                message = f"{file}:{number}: {error}"
+                if strict:
+                    raise ValueError(f"{message} (--strict)") from None
+                warn(f"{message}; skipped")
+                continue
+            seen.add(record_id)
+            records.append(PromptRecord(record_id, str(raw.get("source", "")), messages))
+    if not records:
+        raise ValueError(f"{file} holds no usable prompt")
+    return records
+
+
+def _stable_rank(text: str, seed: int) -> str:
+    return hashlib.sha256(f"{seed}:{text}".encode()).hexdigest()
+
+
+def balanced_order(
+    records: Sequence[PromptRecord], weights: dict[str, float] | None = None, seed: int = 0
+) -> list[PromptRecord]:
+    """Interleave sources so every prefix of the result follows the source weights.
+
+    Within a source the order is a seeded shuffle. A source missing from
+    `weights` has weight 1; weight 0 drops it. A source that runs out leaves the
+    others to fill the rest.
+    """
+    weights = weights or {}
+    groups: dict[str, list[PromptRecord]] = {}
+    for record in records:
+        groups.setdefault(record.source, []).append(record)
+    for source in groups:
+        groups[source].sort(key=lambda r: _stable_rank(r.id, seed))
+    active = {s: w for s in groups if (w := float(weights.get(s, 1.0))) > 0}
+    served = dict.fromkeys(active, 0)
+    order: list[PromptRecord] = []
+    while active:
+        # The source furthest behind its share goes next (ties: name order).
+        source = min(sorted(active), key=lambda s: (served[s] + 1) / active[s])
+        order.append(groups[source][served[source]])
+        served[source] += 1
+        if served[source] == len(groups[source]):
+            del active[source]
+    return order
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], chat_template: bool) -> list[int]:
+    """Token ids of a prompt: the chat template with a generation prompt, or the raw text."""
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if chat_template and apply is not None and getattr(tokenizer, "chat_template", None):
+        return [int(t) for t in apply(messages, add_generation_prompt=True)]
+    text = "\n".join(m["content"] for m in messages)
+    return [int(t) for t in tokenizer.encode(text)]
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Settings of a distillation run (stored in the manifest)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    chat_template: bool = True
+    model: str = "default"
+
+
+@dataclass
+class Shard:
+    """The records of one shard, in memory."""
+
+    ids: list[str]
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    finish: list[int]
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_shard(folder: Path, index: int, shard: Shard, prefix: str = "") -> Path:
+    """Write `shard-<prefix><index>.npz` atomically (temp file, fsync, rename)."""
+    flat = [t for seq in shard.sequences for t in seq]
+    dtype = np.uint16 if max(flat, default=0) < 2**16 else np.int32
+    arrays = {
+        "ids": np.array(shard.ids, dtype=np.str_),
+        "tokens": np.array(flat, dtype=dtype),
+        "lengths": np.array([len(s) for s in shard.sequences], dtype=np.int32),
+        "prompt_lengths": np.array(shard.prompt_lengths, dtype=np.int32),
+        "finish": np.array(shard.finish, dtype=np.int8),
+    }
+    target = folder / f"shard-{prefix}{index:05d}.npz"
+    fd, temp = tempfile.mkstemp(prefix=".shard-", suffix=".npz.partial", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(folder)
+    return target
+
+
+def read_shard(path: Path) -> Shard:
+    with np.load(path, allow_pickle=False) as data:
+        tokens = data["tokens"].astype(np.int64)
+        lengths = data["lengths"].tolist()
+        ends = np.cumsum(lengths).tolist()
+        starts = [e - n for e, n in zip(ends, lengths)]
+        return Shard(
+            ids=[str(i) for i in data["ids"].tolist()],
+            sequences=[tokens[s:e].tolist() for s, e in zip(starts, ends)],
+            prompt_lengths=data["prompt_lengths"].tolist(),
+            finish=data["finish"].tolist(),
+        )
+
+
+def shard_paths(folder: str | os.PathLike[str]) -> list[Path]:
+    return sorted(Path(folder).glob(SHARD_GLOB))
+
+
+class DistilledSequence(NamedTuple):
+    id: str
+    tokens: list[int]
+    prompt_length: int
+
+
+def load_distilled(folders: Sequence[str | os.PathLike[str]]) -> list[DistilledSequence]:
+    """Every record in the shards of the given folders, in shard order."""
+    sequences: list[DistilledSequence] = []
+    for folder in folders:
+        path = Path(folder)
+        if not path.is_dir():
+            raise FileNotFoundError(f"no distilled data folder at {path}")
+        paths = shard_paths(path)
+        if not paths:
+            raise ValueError(f"{path} holds no {SHARD_GLOB} shards: run `mlx-redrafter distill`")
+        for shard_path in paths:
+            shard = read_shard(shard_path)
+            for record_id, tokens, prompt_length in zip(
+                shard.ids, shard.sequences, shard.prompt_lengths
+            ):
+                sequences.append(DistilledSequence(record_id, tokens, prompt_length))
+    return sequences
+
+
+def _check_manifest(folder: Path, config: DistillConfig) -> None:
+    path = folder / MANIFEST
+    wanted = asdict(config)
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from None
+        different = {k: (stored.get(k), v) for k, v in wanted.items() if stored.get(k) != v}
+        if different:
+            detail = ", ".join(f"{k}: stored {a!r}, now {b!r}" for k, (a, b) in different.items())
+            raise ValueError(
+                f"{folder} was distilled with other settings ({detail}); "
+                "use another --output folder or the same settings"
+            )
+        return
+    fd, temp = tempfile.mkstemp(prefix=".manifest-", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        json.dump(wanted, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    _fsync_dir(folder)
+
+
+def distill(
+    model: nn.Module,
+    tokenizer: Any,
+    records: Sequence[PromptRecord],
+    output: str | os.PathLike[str],
+    config: DistillConfig,
+    *,
+    batch_size: int = 32,
+    limit: int | None = None,
+    worker: tuple[int, int] = (0, 1),
+    drafter: Drafter | None = None,
+    beam: BeamConfig | None = None,
+    progress: bool = True,
+) -> Generator[Path, None, None]:
+    """Decode the records not yet in `output`, one shard per batch; yields each shard's path.
+
+    `records` is taken in order (use `balanced_order` first); `limit` caps the
+    number of records the folder should hold in total. `worker=(i, n)` lets n
+    processes fill one folder together: worker i decodes every n-th wanted
+    record and names its shards `shard-w<i>-XXXXX.npz`.
+    """
+    index, count = worker
+    if not 0 <= index < count:
+        raise ValueError(f"worker must be i/n with 0 <= i < n, got {index}/{count}")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if config.max_tokens < 1:
+        raise ValueError(f"max tokens must be >= 1, got {config.max_tokens}")
+    sampling = SamplingConfig(config.temperature, config.top_p, config.top_k)
+    folder = Path(output)
+    folder.mkdir(parents=True, exist_ok=True)
+    _check_manifest(folder, config)
+    existing = shard_paths(folder)
+    done: set[str] = set()
+    for path in existing:
+        with np.load(path, allow_pickle=False) as data:
+            done.update(str(i) for i in data["ids"].tolist())
+    wanted = list(records) if limit is None else list(records)[:limit]
+    # Worker i owns every n-th record of the wanted list (stable across restarts).
+    pending = [r for r in wanted[index::count] if r.id not in done]
+    prefix = f"w{index}-" if count > 1 else ""
+    mine = [p for p in existing if p.stem[len("shard-") :].startswith(prefix)]
+    if not prefix:
+        mine = [p for p in existing if p.stem[len("shard-") :].isdigit()]
+    next_index = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in mine), default=-1)
+    eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
+    stop = StopConfig(max_tokens=config.max_tokens, eos_token_ids=eos)
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_id is None and eos:
+        eos_id = min(eos)
+    beam = beam if drafter is not None and beam is not None else PLAIN_DECODING
+    bar = _progress(len(done) + len(pending), len(done), progress)
+    try:
+        for start in range(0, len(pending), batch_size):
+            batch = pending[start : start + batch_size]
+            prompts = [encode_prompt(tokenizer, r.messages, config.chat_template) for r in batch]
+            key = None
+            if not sampling.greedy:
+                digest = hashlib.sha256(f"{config.seed}:{batch[0].id}".encode()).digest()
+                key = mx.random.key(int.from_bytes(digest[:4], "little"))
+            outputs: list[list[int]] = [[] for _ in batch]
+            finish = [0] * len(batch)
+            for event in speculative_decode(model, drafter, prompts, beam, sampling, stop, key=key):
+                for row, tokens in zip(event.row_ids, event.tokens):
+                    outputs[row].extend(tokens)
+                    bar.tokens += len(tokens)
+                for row, reason in event.finished.items():
+                    if reason == "stop":
+                        finish[row] = 1
+                bar.refresh()
+            sequences = []
+            for prompt, completion, ended in zip(prompts, outputs, finish):
+                stop_token = [eos_id] if ended and eos_id is not None else []
+                sequences.append(prompt + completion + stop_token)
+            shard = Shard([r.id for r in batch], sequences, [len(p) for p in prompts], finish)
+            path = write_shard(folder, next_index, shard, prefix)
+            next_index += 1
+            bar.update(len(batch))
+            yield path
+    finally:
+        bar.close()
+
+
+class _Progress:
+    """A tqdm bar over records, with generated tokens/s in the postfix (stderr)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            unit="prompt",
+            disable=not enabled,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.last = 0.0
+
+    def refresh(self) -> None:
+        now = time.perf_counter()
+        if now - self.last > 2.0:
+            self.last = now
+            rate = self.tokens / max(now - self.started, 1e-9)
+            self.bar.set_postfix_str(f"{self.tokens} tokens, {rate:.0f} tok/s", refresh=True)
+
+    def update(self, count: int) -> None:
+        self.bar.update(count)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int, initial: int, enabled: bool) -> _Progress:
+    return _Progress(total, initial, enabled)

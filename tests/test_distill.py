@@ -1,0 +1,204 @@
+"""Self-distillation: prompt files, batched decoding into shards, resuming, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import mlx_lm_greedy
+from tiny_models import tiny_model, tiny_tokenizer
+
+from mlx_redrafter.cli import main
+from mlx_redrafter.distill import (
+    DistillConfig,
+    PromptRecord,
+    balanced_order,
+    distill,
+    load_distilled,
+    read_prompts,
+    shard_paths,
+)
+from mlx_redrafter.target import prepare_target
+
+EOS = 20  # the tiny target emits it in some replies
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = prepare_target(tiny_model("llama"))
+    return model, tiny_tokenizer(eos_token=f"w{EOS}")
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def prompt_file(tmp_path, count=10):
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(count):
+        words = " ".join(f"w{t}" for t in rng.integers(8, 64, size=int(rng.integers(2, 7))))
+        lines.append(json.dumps({"id": f"p{i}", "source": "a" if i % 3 else "b", "prompt": words}))
+    return write_jsonl(tmp_path / "prompts.jsonl", lines)
+
+
+def test_bad_lines_are_reported_with_their_numbers_and_skipped(tmp_path):
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"prompt": "hello"}),
+            "",
+            "{not json",
+            json.dumps({"prompt": ""}),
+            json.dumps({"text": "no prompt field"}),
+            json.dumps(
+                {
+                    "id": "conv",
+                    "conversations": [
+                        {"from": "system", "value": "Be brief."},
+                        {"from": "human", "value": "Hi there"},
+                        {"from": "gpt", "value": "Hello"},
+                        {"from": "human", "value": "second turn"},
+                    ],
+                }
+            ),
+            json.dumps({"question_id": 81, "turns": ["first", "second"]}),
+        ],
+    )
+    warnings: list[str] = []
+    records = read_prompts(path, warn=warnings.append)
+    assert [r.id for r in records] == ["line-1", "conv", "81"]
+    assert records[1].messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+    ]
+    assert records[2].messages == [{"role": "user", "content": "first"}]
+    assert [w.split(": ")[0].rsplit(":", 1)[1] for w in warnings] == ["2", "3", "4", "5"]
+    assert "empty line" in warnings[0] and "invalid JSON" in warnings[1]
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: empty line \(--strict\)"):
+        read_prompts(path, strict=True)
+
+
+def test_balanced_order_follows_the_weights():
+    records = [PromptRecord(f"m{i}", "math", []) for i in range(60)]
+    records += [PromptRecord(f"r{i}", "roleplay", []) for i in range(20)]
+    order = balanced_order(records, {"math": 1, "roleplay": 3})
+    first = [r.source for r in order[:20]]
+    assert first.count("roleplay") == 15 and first.count("math") == 5
+    assert sorted(r.id for r in order) == sorted(r.id for r in records)  # nothing lost
+    assert [r.id for r in balanced_order(records, {"roleplay": 0})] == [
+        r.id for r in balanced_order(records, {"roleplay": 0})
+    ]
+    assert all(r.source == "math" for r in balanced_order(records, {"roleplay": 0}))
+
+
+def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
+    model, tokenizer = target
+    records = read_prompts(prompt_file(tmp_path, count=7))
+    config = DistillConfig(max_tokens=12)
+    shards = list(
+        distill(model, tokenizer, records, tmp_path / "out", config, batch_size=3, progress=False)
+    )
+    assert [p.name for p in shards] == ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]
+    data = load_distilled([tmp_path / "out"])
+    assert [d.id for d in data] == [r.id for r in records]
+    stopped = 0
+    for item in data:
+        prompt = item.tokens[: item.prompt_length]
+        reply = item.tokens[item.prompt_length :]
+        expected = mlx_lm_greedy(model, prompt, 12)
+        if EOS in expected[: len(reply)]:  # the row stopped at its own EOS, which is kept
+            stopped += 1
+            assert reply == expected[: expected.index(EOS) + 1]
+        else:
+            assert reply == expected
+    assert data[0].tokens[: data[0].prompt_length] == tokenizer.encode(
+        json.loads((tmp_path / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    )
+    assert stopped >= 2  # some rows stopped at EOS while others went on
+
+
+def test_an_interrupted_run_resumes_without_losing_or_repeating(target, tmp_path):
+    model, tokenizer = target
+    records = read_prompts(prompt_file(tmp_path, count=8))
+    config = DistillConfig(max_tokens=10)
+    whole = list(
+        distill(model, tokenizer, records, tmp_path / "a", config, batch_size=3, progress=False)
+    )
+    assert len(whole) == 3
+
+    run = distill(model, tokenizer, records, tmp_path / "b", config, batch_size=3, progress=False)
+    next(run)  # one shard written, then the process "dies"
+    run.close()
+    (tmp_path / "b" / ".shard-dead.npz.partial").write_bytes(b"half a shard")
+    assert len(shard_paths(tmp_path / "b")) == 1
+    rest = list(
+        distill(model, tokenizer, records, tmp_path / "b", config, batch_size=3, progress=False)
+    )
+    assert [p.name for p in rest] == ["shard-00001.npz", "shard-00002.npz"]
+    a, b = load_distilled([tmp_path / "a"]), load_distilled([tmp_path / "b"])
+    assert [(x.id, x.tokens) for x in a] == [(x.id, x.tokens) for x in b]
+    # Everything is done: running again writes nothing.
+    assert list(distill(model, tokenizer, records, tmp_path / "b", config, progress=False)) == []
+    # Other settings in the same folder are refused.
+    with pytest.raises(ValueError, match="other settings.*max_tokens"):
+        list(distill(model, tokenizer, records, tmp_path / "b", DistillConfig(max_tokens=5)))
+
+
+def test_sampled_distillation_is_reproducible(target, tmp_path):
+    model, tokenizer = target
+    records = read_prompts(prompt_file(tmp_path, count=4))
+    config = DistillConfig(max_tokens=8, temperature=1.0, seed=3)
+    for name in ("x", "y"):
+        list(
+            distill(
+                model, tokenizer, records, tmp_path / name, config, batch_size=2, progress=False
+            )
+        )
+    x, y = load_distilled([tmp_path / "x"]), load_distilled([tmp_path / "y"])
+    assert [s.tokens for s in x] == [s.tokens for s in y]
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    assert main(["distill", "--prompts", str(tmp_path / "none.jsonl"), "--output", "o"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no prompts file at") and "\n" not in err
+    bad = write_jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok"}', "[1, 2"])
+    assert main(["distill", "--prompts", str(bad), "--output", "o", "--strict"]) == 2
+    assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err
+    empty = write_jsonl(tmp_path / "empty.jsonl", ["", ""])
+    assert main(["distill", "--prompts", str(empty), "--output", "o"]) == 2
+    assert "holds no usable prompt" in capsys.readouterr().err
+    args = ["distill", "--prompts", str(prompt_file(tmp_path)), "--output", "o"]
+    assert main([*args, "--source-weights", "a:1"]) == 2
+    assert "source=weight" in capsys.readouterr().err
+
+
+def test_two_workers_fill_one_folder_without_overlap(target, tmp_path):
+    model, tokenizer = target
+    records = read_prompts(prompt_file(tmp_path, count=9))
+    config = DistillConfig(max_tokens=6)
+    list(distill(model, tokenizer, records, tmp_path / "one", config, batch_size=2, progress=False))
+    for worker in ((0, 2), (1, 2)):
+        list(
+            distill(
+                model,
+                tokenizer,
+                records,
+                tmp_path / "two",
+                config,
+                batch_size=2,
+                worker=worker,
+                progress=False,
+            )
+        )
+    names = sorted(p.name for p in shard_paths(tmp_path / "two"))
+    assert names[0] == "shard-w0-00000.npz" and names[-1] == "shard-w1-00001.npz"
+    one = {x.id: x.tokens for x in load_distilled([tmp_path / "one"])}
+    two = load_distilled([tmp_path / "two"])
+    assert len(two) == len(one) == 9
+    assert {x.id: x.tokens for x in two} == one
+    with pytest.raises(ValueError, match="worker"):
+        list(distill(model, tokenizer, records, tmp_path / "two", config, worker=(2, 2)))
