@@ -38,6 +38,7 @@ import numpy as np
 from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
 from .decode import speculative_decode
 from .drafter import Drafter
+from .files import fsync_path
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.npz"
@@ -185,19 +186,6 @@ class Shard:
     finish: list[int]
 
 
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_shard(folder: Path, index: int, shard: Shard, prefix: str = "") -> Path:
     """Write `shard-<prefix><index>.npz` atomically (temp file, fsync, rename)."""
     flat = [t for seq in shard.sequences for t in seq]
@@ -220,7 +208,7 @@ def write_shard(folder: Path, index: int, shard: Shard, prefix: str = "") -> Pat
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-    _fsync_dir(folder)
+    fsync_path(folder)
     return target
 
 
@@ -290,7 +278,7 @@ def _check_manifest(folder: Path, config: DistillConfig) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temp, path)
-    _fsync_dir(folder)
+    fsync_path(folder)
 
 
 def distill(

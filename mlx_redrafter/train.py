@@ -49,6 +49,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .drafter import Drafter
+from .files import fsync_path
 from .target import output_logits
 
 # ---------------------------------------------------------------------------
@@ -486,19 +487,6 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
-def _fsync_path(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(
     folder: str | os.PathLike[str],
     step: int,
@@ -522,9 +510,9 @@ def write_checkpoint(
         (staging / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         for path in [*staging.rglob("*")]:
             if path.is_file():
-                _fsync_path(path)
-        _fsync_path(staging / "drafter")
-        _fsync_path(staging)
+                fsync_path(path)
+        fsync_path(staging / "drafter")
+        fsync_path(staging)
         final = root / name
         if final.exists():
             shutil.rmtree(final)
@@ -535,7 +523,7 @@ def write_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer, root / LATEST)
-        _fsync_path(root)
+        fsync_path(root)
     except OSError as error:
         shutil.rmtree(staging, ignore_errors=True)
         (root / f".{LATEST}.partial").unlink(missing_ok=True)

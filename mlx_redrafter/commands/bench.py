@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ from ..bench import (
     write_result,
 )
 from ..config import BeamConfig, SamplingConfig
-from ..loading import NoShippedDrafterWarning, load
 from ..prompts import MT_BENCH, chat_tokens, read_prompts
+from .common import load_from_args
 
 
 def parse_beams(text: str) -> tuple[BeamConfig, ...]:
@@ -108,13 +107,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes,
     )
     texts = read_prompts(args.prompts)[: args.limit]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
-    for note in caught:
-        print(f"note: {note.message}", file=sys.stderr)
-    if args.no_drafter:
-        drafter = None
+    model, drafter, tokenizer = load_from_args(args)
     prompts = [chat_tokens(tokenizer, text) for text in texts]
     result = run_benchmark(model, drafter, tokenizer, prompts, config, progress_printer())
     print(file=sys.stderr)

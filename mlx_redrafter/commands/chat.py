@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from typing import Any
 
 from ..config import BeamConfig
 from ..generate import DEFAULT_BEAM
-from ..loading import NoShippedDrafterWarning, load
+from .common import load_from_args
 from .generate import add_model_arguments
 
 
@@ -43,13 +42,7 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
-    for warning in caught:
-        print(f"note: {warning.message}", file=sys.stderr)
-    if args.no_drafter:
-        drafter = None
+    model, drafter, tokenizer = load_from_args(args)
     beam = BeamConfig(args.beam_width, args.beam_length)
     session = ChatSession(
         model,

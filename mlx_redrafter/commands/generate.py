@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from typing import Any
 
 from ..config import BeamConfig
 from ..generate import DEFAULT_BEAM, format_summary, stream_generate
-from ..loading import NoShippedDrafterWarning, load
+from .common import load_from_args
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -68,13 +67,7 @@ def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | li
 
 
 def run(args: argparse.Namespace) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
-    for warning in caught:
-        print(f"note: {warning.message}", file=sys.stderr)
-    if args.no_drafter:
-        drafter = None
+    model, drafter, tokenizer = load_from_args(args)
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
     beam = BeamConfig(args.beam_width, args.beam_length)
     started = time.perf_counter()

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
-from ..loading import NoShippedDrafterWarning, load
+from .common import load_from_args
 from .generate import add_model_arguments
 
 SERVE_EXTRA = "pip install 'mlx-redrafter[serve]'  (starlette and uvicorn)"
@@ -77,13 +76,7 @@ def run(args: argparse.Namespace) -> int:
     policy = DEFAULT_POLICY if args.beams is None else BeamPolicy.parse(args.beams)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, None if args.no_drafter else args.drafter)
-    for warning in caught:
-        print(f"note: {warning.message}", file=sys.stderr)
-    if args.no_drafter:
-        drafter = None
+    model, drafter, tokenizer = load_from_args(args)
     guard = None if args.fixed_beams else SpeedGuard()
     batcher = Batcher(
         model, drafter, tokenizer, policy, max_batch=args.max_batch, seed=args.seed, guard=guard
