@@ -92,7 +92,13 @@ def _load(path: Path) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in loaded.items()}
 
 
-@pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="mlx.launch is not installed")
+# mlx.launch is installed next to this interpreter (a venv need not be on PATH).
+LAUNCHER = shutil.which(
+    "mlx.launch", path=os.pathsep.join([sys.prefix + "/bin", os.environ.get("PATH", "")])
+)
+
+
+@pytest.mark.skipif(LAUNCHER is None, reason="mlx.launch is not installed")
 def test_two_ranks_match_one_process(tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     single.mkdir()
@@ -101,7 +107,7 @@ def test_two_ranks_match_one_process(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)])}
     command = [
-        shutil.which("mlx.launch") or "mlx.launch",
+        str(LAUNCHER),
         "--backend",
         "ring",
         "-n",
