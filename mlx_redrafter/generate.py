@@ -24,10 +24,10 @@ from .target import context_length, prepare_target
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-# The default tree for the shipped SmolLM2 drafter as it is now (tau 1.3-1.4 on MT-Bench):
-# only small trees break even on this machine (docs/training.md). Revisit with a
-# better-trained drafter, where 4x4 pays.
-DEFAULT_BEAM = BeamConfig(beam_width=2, beam_length=3)
+# The default tree for the shipped SmolLM2 drafter as it is now (tau ~1.4-1.5 on MT-Bench):
+# the fastest shape in the benchmark's W x L sweep on this machine (docs/training.md,
+# "Choosing W and L"). Revisit with a better-trained drafter, where larger trees pay.
+DEFAULT_BEAM = BeamConfig(beam_width=2, beam_length=2)
 
 Prompt = str | Sequence[int]
 
