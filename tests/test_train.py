@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+from dataclasses import replace
 from typing import cast
 
 import mlx.core as mx
@@ -81,7 +82,7 @@ def test_distillation_against_the_target_distribution_learns(data):
     model, sequences, ids = data
     mx.random.seed(0)
     drafter = Drafter.create(model, exit_dim=32)
-    config = TrainConfig(**{**CONFIG.__dict__, "kl_weight": 1.0, "epochs": 8})
+    config = replace(CONFIG, kl_weight=1.0, epochs=8)
     report = train(model, drafter, sequences, ids, config, progress=False)
     assert report.validation[-1]["loss"] < report.validation[0]["loss"]
     early = np.mean(report.train_accuracy[:3], axis=0)
@@ -117,7 +118,7 @@ def test_draft_vocabulary_keeps_forced_ids_and_orders_by_frequency():
 
 def test_resume_is_bit_identical_to_an_uninterrupted_run(data, tmp_path):
     model, sequences, ids = data
-    config = TrainConfig(**{**CONFIG.__dict__, "epochs": 3, "kl_weight": 0.5})
+    config = replace(CONFIG, epochs=3, kl_weight=0.5)
 
     mx.random.seed(1)
     whole = Drafter.create(model, exit_dim=32, draft_vocab_ids=choose_draft_vocab(sequences, 40))
@@ -163,42 +164,29 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(data, tmp_path):
     assert [p.name for p in (tmp_path / "b").glob("ckpt-*")] == ["ckpt-0000015"]
 
 
-def test_resume_refuses_other_settings(data, tmp_path):
+def train_new_drafter(data, config, checkpoint_dir, **options):
+    """Train a fresh drafter on the fixture's data with checkpoints in `checkpoint_dir`."""
     model, sequences, ids = data
-    config = TrainConfig(**{**CONFIG.__dict__, "epochs": 1})
-    train(
+    return train(
         model,
         Drafter.create(model),
         sequences,
         ids,
         config,
         progress=False,
-        checkpoint_dir=tmp_path,
-        max_steps=2,
+        checkpoint_dir=checkpoint_dir,
+        **options,
     )
-    other = TrainConfig(**{**config.__dict__, "learning_rate": 5e-2})
+
+
+def test_resume_refuses_other_settings(data, tmp_path):
+    config = replace(CONFIG, epochs=1)
+    train_new_drafter(data, config, tmp_path, max_steps=2)
+    other = replace(config, learning_rate=5e-2)
     with pytest.raises(CheckpointError, match="other training settings"):
-        train(
-            model,
-            Drafter.create(model),
-            sequences,
-            ids,
-            other,
-            progress=False,
-            checkpoint_dir=tmp_path,
-            resume=True,
-        )
+        train_new_drafter(data, other, tmp_path, resume=True)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        train(
-            model,
-            Drafter.create(model),
-            sequences,
-            ids,
-            config,
-            progress=False,
-            checkpoint_dir=tmp_path / "empty",
-            resume=True,
-        )
+        train_new_drafter(data, config, tmp_path / "empty", resume=True)
 
 
 def test_full_disk_mid_checkpoint_keeps_the_previous_one(data, tmp_path, monkeypatch):
@@ -252,17 +240,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_checkpoint_state_is_json(data, tmp_path):
-    model, sequences, ids = data
-    config = TrainConfig(**{**CONFIG.__dict__, "epochs": 1})
-    train(
-        model,
-        Drafter.create(model),
-        sequences,
-        ids,
-        config,
-        progress=False,
-        checkpoint_dir=tmp_path,
-    )
+    config = replace(CONFIG, epochs=1)
+    train_new_drafter(data, config, tmp_path)
     latest = latest_checkpoint(tmp_path)
     assert latest is not None
     state = json.loads((latest / "trainer_state.json").read_text())
