@@ -23,7 +23,7 @@ from .beam_search import beam_search
 from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
-from .sampling import choose_tokens, position_keys
+from .sampling import choose_tokens, choose_tokens_quickly, position_keys
 from .target import TargetCache, context_length, target_forward, target_hidden
 from .tree import PackedTree, chain_tree
 
@@ -116,9 +116,7 @@ def prefill(
         last = mx.maximum(count - 1, 0)[:, None, None]  # (B, 1, 1)
         last_hidden = mx.take_along_axis(chunk_hidden, last, axis=1)[:, 0]  # (B, D)
         hidden = mx.where((count > 0)[:, None], last_hidden.astype(hidden.dtype), hidden)
-        path = mx.broadcast_to(mx.arange(width, dtype=mx.int32)[None], (batch_size, width))
-        cache.commit(path, count)
-        cache.sync_lengths([length + n for length, n in zip(cache.host_lengths, counts)])
+        cache.commit([list(range(width))] * batch_size, counts)
         mx.eval(hidden, cache.arrays())
     root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
     rules = [sampling] * batch_size if isinstance(sampling, SamplingConfig) else list(sampling)
@@ -239,8 +237,9 @@ def decode_step(
     state: DecodeState,
     clock: PhaseClock | None = None,
 ) -> StepOutput:
-    """One speculative step for every row, with exactly one host sync at the end
-    (one per phase when a profiling `clock` is given)."""
+    """One speculative step for every row, with one host sync at the end (a second
+    only when greedy choices meet near-equal logits; one per phase when a profiling
+    `clock` is given)."""
     # Draft: W beams of L tokens, each opened by the row's root token.
     beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
     if clock:
@@ -250,29 +249,26 @@ def decode_step(
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
     keys = state.node_keys(state.cache.positions)  # (B, N, 2): by absolute position
-    choices = choose_tokens(logits, state.sampling, keys)  # (B, N)
+    choices, unsure = choose_tokens_quickly(logits, state.sampling, keys)  # (B, N), ()
     if clock:
         clock.mark("verify", hidden, choices)
     # Accept: walk the tree along the target's choices.
     result = steps.accept(beams, tree.unpack, tree.canonical, choices)
-    # Commit cache: keep the root and the accepted nodes' K/V.
-    state.cache.commit(result.path, result.num_accepted + 1)
-    state.root_tokens = result.bonus_tokens
     state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
-    # The step's one host sync.
-    mx.eval(
-        state.root_tokens,
-        state.hidden,
-        state.cache.arrays(),
-        result.tokens,
-        result.num_accepted,
-        tree.num_tokens,
-    )
+    # The step's one host sync (it also materializes this forward's K/V writes).
+    mx.eval(state.hidden, result, tree.num_tokens, unsure)
+    if unsure.item():
+        # Rare: near-equal logits at some node; choose exactly as mlx-lm does.
+        choices = choose_tokens(logits, state.sampling, keys)
+        result = steps.accept(beams, tree.unpack, tree.canonical, choices)
+        state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
+        mx.eval(state.hidden, result)
+    state.root_tokens = result.bonus_tokens
     num_accepted = host_list(result.num_accepted)
     tokens = [row[: n + 1] for row, n in zip(host_rows(result.tokens), num_accepted)]
-    state.cache.sync_lengths(
-        [length + n + 1 for length, n in zip(state.cache.host_lengths, num_accepted)]
-    )
+    # Commit cache: keep the root and the accepted nodes' K/V (moved, if they must
+    # move at all, lazily with the next forward).
+    state.cache.commit(host_rows(result.path), [n + 1 for n in num_accepted])
     if clock:
         clock.mark("accept and commit")
     return StepOutput(tokens, num_accepted, host_list(tree.num_tokens))

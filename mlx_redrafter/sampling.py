@@ -103,6 +103,46 @@ def choose_tokens(
     return categorical_by_position(weights, keys)
 
 
+def greedy_tokens(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """Greedy choices from the raw fp32 logits, and whether mlx-lm's could differ anywhere.
+
+    mlx-lm takes the argmax of logits - logsumexp(logits). Subtracting one number and
+    rounding keeps the order of the logits but may merge values closer than one
+    rounding step of the result; the merged results near the top lie within log V of
+    zero, below 16 for any vocabulary under 8.8M tokens, where a step is at most 8 eps.
+    When a merge makes an earlier index tie with the maximum, mlx-lm's argmax (first
+    index) picks it. So the raw argmax is mlx-lm's choice unless an earlier logit lies
+    within that step of the maximum; `unsure` flags that case (a margin of 128 eps),
+    and the caller then takes `choose_tokens`. This skips the log-softmax (an exp over
+    the whole vocabulary at every node), the costliest part of greedy verification.
+
+    logits: (B, N, V) float32 -> choices (B, N) int32, unsure () bool
+    """
+    choices = mx.argmax(logits, axis=-1).astype(mx.int32)  # (B, N)
+    best = mx.max(logits, axis=-1, keepdims=True)  # (B, N, 1)
+    margin = 128 * mx.finfo(logits.dtype).eps
+    first_near = mx.argmax(logits >= best - margin, axis=-1).astype(mx.int32)  # (B, N)
+    return choices, mx.any(first_near != choices)
+
+
+def choose_tokens_quickly(
+    logits: mx.array,
+    sampling: SamplingConfig | Sequence[SamplingConfig],
+    keys: mx.array | None,
+) -> tuple[mx.array, mx.array]:
+    """`choose_tokens`, skipping the log-softmax when every row is greedy and the
+    logits are fp32 (in half precision a rounding step is so coarse that near-ties are
+    common, so the exact choice is taken directly).
+
+    logits: (B, N, V) -> choices (B, N) int32, unsure () bool: when True, the choices
+    may differ from `choose_tokens` and must be replaced by it (see `greedy_tokens`).
+    """
+    rules = [sampling] if isinstance(sampling, SamplingConfig) else list(sampling)
+    if logits.dtype == mx.float32 and all(rule.greedy for rule in rules):
+        return greedy_tokens(logits)
+    return choose_tokens(logits, sampling, keys), mx.array(False)
+
+
 def choose_tokens_per_row(
     logits: mx.array, configs: Sequence[SamplingConfig], keys: mx.array | None
 ) -> mx.array:

@@ -331,23 +331,35 @@ class TargetCache:
             self._masks[window_size] = full
         return self._masks[window_size]
 
-    def commit(self, path: mx.array, num_kept: mx.array) -> None:
-        """Keep the packed tokens on `path` (B, K) for the first num_kept[b] steps.
+    def commit(self, path: list[list[int]], num_kept: list[int]) -> None:
+        """Keep the packed tokens on each row's path for its first num_kept[b] entries.
 
-        Entry j of row b moves from slot frontier + path[b, j] to lengths[b] + j.
-        Entries past num_kept land beyond the new length, where they are stale.
+        path: (B, K) packed indices and num_kept: (B,), as host lists read back by the
+        step's one sync. Entry j of row b moves from slot frontier + path[b][j] to
+        lengths[b] + j. Entries already in place (a row at the frontier accepting along
+        the first beam, as plain decoding always does) are not copied; when any entry
+        must move, the whole (B, K) path is moved in one gather/scatter per layer,
+        evaluated with the next forward. Entries past num_kept land beyond the new
+        length, where they are stale.
         """
-        source = self.frontier + path  # (B, K)
-        destination = self.lengths[:, None] + mx.arange(path.shape[1], dtype=mx.int32)  # (B, K)
-        for layer in self.layers:
-            layer.move(source, destination)
-        self.lengths = self.lengths + num_kept.astype(mx.int32)
+        frontier = self.frontier
+        misplaced = any(
+            frontier + index != length + j
+            for row, length, kept in zip(path, self.host_lengths, num_kept)
+            for j, index in enumerate(row[:kept])
+        )
+        if misplaced:
+            source = frontier + mx.array(path, dtype=mx.int32)  # (B, K)
+            width = source.shape[1]
+            destination = mx.array(self.host_lengths, dtype=mx.int32)[:, None] + mx.arange(
+                width, dtype=mx.int32
+            )  # (B, K)
+            for layer in self.layers:
+                layer.move(source, destination)
+        self.host_lengths = [length + kept for length, kept in zip(self.host_lengths, num_kept)]
+        self.lengths = mx.array(self.host_lengths, dtype=mx.int32)
         self._tree = None
         self._masks = {}
-
-    def sync_lengths(self, host_lengths: list[int]) -> None:
-        """Record the committed lengths read back by the step's host sync."""
-        self.host_lengths = list(host_lengths)
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only the given batch rows (rows that finished are dropped)."""
