@@ -37,7 +37,7 @@ from mlx_lm.sample_utils import make_sampler
 from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
 from .decode import PhaseClock, speculative_decode
 from .drafter import Drafter
-from .generate import stream_batch, stream_generate
+from .generate import DEFAULT_BEAM, stream_batch, stream_generate
 
 SLOW_BLAS_GFLOPS = 30.0
 
@@ -53,7 +53,7 @@ class BenchConfig:
     """
 
     max_tokens: int = 256
-    beams: tuple[BeamConfig, ...] = (BeamConfig(4, 4),)
+    beams: tuple[BeamConfig, ...] = (DEFAULT_BEAM,)
     sampling: SamplingConfig = SamplingConfig()
     unpacked: bool = True
     seed: int = 0
@@ -267,6 +267,20 @@ def measure_matmul_gflops() -> float:
     return 5 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - started) / 1e9
 
 
+def loaded_blas_libraries() -> list[str]:
+    """Shared libraries with BLAS in their name mapped into this process (Linux), after
+    a matmul has run (the sgemm router loads its libraries on first use)."""
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        return []
+    names = {
+        line.split()[-1]
+        for line in maps.read_text().splitlines()
+        if line.split()[-1].endswith(".so") or ".so." in line.split()[-1]
+    }
+    return sorted(name for name in names if "blas" in Path(name).name.lower())
+
+
 def environment() -> dict[str, Any]:
     gflops = measure_matmul_gflops()
     device = mx.default_device()
@@ -281,6 +295,7 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "matmul_gflops_fp32": round(gflops, 1),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "blas_libraries": loaded_blas_libraries(),
         "slow_blas": device == mx.cpu and gflops < SLOW_BLAS_GFLOPS,
     }
 

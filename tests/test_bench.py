@@ -1,6 +1,8 @@
 """The benchmark on a tiny model: every figure present, greedy outputs match, plots written."""
 
 import json
+import os
+import sys
 
 import pytest
 from tiny_models import tiny_tokenizer
@@ -91,6 +93,13 @@ def test_outputs_json_table_and_plots(result, tmp_path):
 def test_environment_and_slow_blas_warning():
     env = environment()
     assert env["matmul_gflops_fp32"] > 0
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if sys.platform == "linux" and "sgemm_router" in preloaded:
+        # The router's two libraries are loaded once a matmul has run.
+        assert any("scipy_openblas" in path for path in env["blas_libraries"])
+        assert any("libopenblas" in path for path in env["blas_libraries"])
+    elif sys.platform == "linux" and "openblas" in preloaded:
+        assert any("libopenblas" in path for path in env["blas_libraries"])
     assert slow_blas_warning({**env, "slow_blas": True}).startswith("WARNING")
     assert slow_blas_warning({**env, "slow_blas": False}) is None
 
