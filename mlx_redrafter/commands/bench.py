@@ -16,6 +16,7 @@ from ..bench import (
     write_result,
 )
 from ..config import BeamConfig, SamplingConfig
+from ..generate import DEFAULT_BEAM
 from ..prompts import MT_BENCH, chat_tokens, read_prompts
 from .common import load_from_args
 
@@ -67,8 +68,9 @@ def register(commands: Any) -> None:
     bench.add_argument(
         "--beams",
         type=parse_beams,
-        default=(BeamConfig(4, 4),),
-        help="beam configurations WxL, comma-separated (default 4x4)",
+        default=(DEFAULT_BEAM,),
+        help=f"beam configurations WxL, comma-separated (default "
+        f"{DEFAULT_BEAM.beam_width}x{DEFAULT_BEAM.beam_length}, the default of generation)",
     )
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-p", type=float, default=1.0)
