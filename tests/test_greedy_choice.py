@@ -53,6 +53,17 @@ def test_half_precision_takes_the_exact_choice_directly():
     assert mx.array_equal(choices, choose_tokens(logits, GREEDY, None)).item()
 
 
+def decodes_like_mlx_lm(monkeypatch, name, replacement) -> bool:
+    """Decode 12 tokens on a tiny model with decode.<name> replaced; mlx-lm's output?"""
+    model = tiny_model("llama")
+    prompt = [3, 17, 42, 8]
+    reference = mlx_lm_greedy(model, prompt, 12)
+    prepare_target(model)
+    monkeypatch.setattr(decode, name, replacement)
+    outputs, _ = decode_tokens(model, Drafter.create(model), [prompt], BeamConfig(3, 3), 12)
+    return outputs[0] == reference
+
+
 def test_fp32_greedy_decoding_never_needs_the_exact_pass(monkeypatch):
     calls = []
 
@@ -60,13 +71,7 @@ def test_fp32_greedy_decoding_never_needs_the_exact_pass(monkeypatch):
         calls.append(1)
         return choose_tokens(*args, **kwargs)
 
-    model = tiny_model("llama")
-    prompt = [3, 17, 42, 8]
-    reference = mlx_lm_greedy(model, prompt, 12)
-    prepare_target(model)
-    monkeypatch.setattr(decode, "choose_tokens", counting)
-    outputs, _ = decode_tokens(model, Drafter.create(model), [prompt], BeamConfig(3, 3), 12)
-    assert outputs[0] == reference
+    assert decodes_like_mlx_lm(monkeypatch, "choose_tokens", counting)
     assert calls == []
 
 
@@ -76,10 +81,4 @@ def test_a_flagged_step_takes_the_exact_choices(monkeypatch):
     def wrong_but_flagged(logits, sampling, keys):
         return mx.zeros(logits.shape[:2], dtype=mx.int32), mx.array(True)
 
-    model = tiny_model("llama")
-    prompt = [3, 17, 42, 8]
-    reference = mlx_lm_greedy(model, prompt, 12)
-    prepare_target(model)
-    monkeypatch.setattr(decode, "choose_tokens_quickly", wrong_but_flagged)
-    outputs, _ = decode_tokens(model, Drafter.create(model), [prompt], BeamConfig(3, 3), 12)
-    assert outputs[0] == reference
+    assert decodes_like_mlx_lm(monkeypatch, "choose_tokens_quickly", wrong_but_flagged)
