@@ -273,12 +273,8 @@ def loaded_blas_libraries() -> list[str]:
     maps = Path("/proc/self/maps")
     if not maps.is_file():
         return []
-    names = {
-        line.split()[-1]
-        for line in maps.read_text().splitlines()
-        if line.split()[-1].endswith(".so") or ".so." in line.split()[-1]
-    }
-    return sorted(name for name in names if "blas" in Path(name).name.lower())
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "/" in line}
+    return sorted(path for path in paths if "blas" in Path(path).name.lower())
 
 
 def environment() -> dict[str, Any]:

@@ -252,16 +252,19 @@ def decode_step(
     choices, unsure = choose_tokens_quickly(logits, state.sampling, keys)  # (B, N), ()
     if clock:
         clock.mark("verify", hidden, choices)
+
     # Accept: walk the tree along the target's choices.
-    result = steps.accept(beams, tree.unpack, tree.canonical, choices)
-    state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
+    def accept(choices: mx.array) -> Acceptance:
+        result = steps.accept(beams, tree.unpack, tree.canonical, choices)
+        state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
+        return result
+
+    result = accept(choices)
     # The step's one host sync (it also materializes this forward's K/V writes).
     mx.eval(state.hidden, result, tree.num_tokens, unsure)
     if unsure.item():
         # Rare: near-equal logits at some node; choose exactly as mlx-lm does.
-        choices = choose_tokens(logits, state.sampling, keys)
-        result = steps.accept(beams, tree.unpack, tree.canonical, choices)
-        state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
+        result = accept(choose_tokens(logits, state.sampling, keys))
         mx.eval(state.hidden, result)
     state.root_tokens = result.bonus_tokens
     num_accepted = host_list(result.num_accepted)

@@ -350,10 +350,8 @@ class TargetCache:
         )
         if misplaced:
             source = frontier + mx.array(path, dtype=mx.int32)  # (B, K)
-            width = source.shape[1]
-            destination = mx.array(self.host_lengths, dtype=mx.int32)[:, None] + mx.arange(
-                width, dtype=mx.int32
-            )  # (B, K)
+            steps = mx.arange(source.shape[1], dtype=mx.int32)
+            destination = self.lengths[:, None] + steps  # (B, K)
             for layer in self.layers:
                 layer.move(source, destination)
         self.host_lengths = [length + kept for length, kept in zip(self.host_lengths, num_kept)]
