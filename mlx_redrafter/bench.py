@@ -292,6 +292,11 @@ def environment() -> dict[str, Any]:
         "matmul_gflops_fp32": round(gflops, 1),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "blas_libraries": loaded_blas_libraries(),
+        "blas_settings": {
+            name: value
+            for name, value in sorted(os.environ.items())
+            if name.startswith(("OPENBLAS_", "MLX_REDRAFTER_"))
+        },
         "slow_blas": device == mx.cpu and gflops < SLOW_BLAS_GFLOPS,
     }
 

@@ -100,6 +100,7 @@ def test_environment_and_slow_blas_warning():
         assert any("libopenblas" in path for path in env["blas_libraries"])
     elif sys.platform == "linux" and "openblas" in preloaded:
         assert any("libopenblas" in path for path in env["blas_libraries"])
+    assert all(name.startswith(("OPENBLAS_", "MLX_REDRAFTER_")) for name in env["blas_settings"])
     assert slow_blas_warning({**env, "slow_blas": True}).startswith("WARNING")
     assert slow_blas_warning({**env, "slow_blas": False}) is None
 
