@@ -48,8 +48,11 @@ def expand_beams(scores: mx.array, logits: mx.array) -> Expansion:
     tied = candidates == threshold
     room = beam_width - mx.sum(above, axis=-1, keepdims=True)  # (B, 1) ties that fit
     keep = above | (tied & (mx.cumsum(tied.astype(mx.int32), axis=-1) <= room))
-    chosen = mx.argsort(mx.where(keep, flat_index, flat_size + flat_index), axis=-1)
-    chosen = chosen[:, :beam_width].astype(mx.int32)  # (B, W) in flat-index order
+    # The kept candidates' flat indices are the W smallest keys (the rest are shifted
+    # past flat_size): a partition finds them, a sort of W puts them in index order.
+    key = mx.where(keep, flat_index, flat_size + flat_index)  # (B, W*Vd)
+    chosen = mx.partition(key, kth=beam_width - 1, axis=-1)[:, :beam_width]
+    chosen = mx.sort(chosen, axis=-1).astype(mx.int32)  # (B, W) in flat-index order
     chosen_scores = mx.take_along_axis(candidates, chosen, axis=-1)  # (B, W)
     # Rank by score, ties by flat index: rank_i = #better + #equal-and-earlier.
     other, this = chosen_scores[:, None, :], chosen_scores[:, :, None]  # (B, 1, W), (B, W, 1)
