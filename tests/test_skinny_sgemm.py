@@ -44,6 +44,19 @@ def kernel():
     threads = library.skinny_sgemm_threads()
     yield library
     library.skinny_sgemm_configure(threads, -1)
+    library.skinny_sgemm_select(BEST)
+
+
+# Vector units (skinny_sgemm.h): each test runs on every one this CPU has.
+BEST, AVX2, AVX512 = 0, 1, 2
+
+
+@pytest.fixture(params=[AVX2, AVX512], ids=["avx2", "avx512"])
+def isa(request, kernel):
+    if not kernel.skinny_sgemm_select(request.param):
+        pytest.skip("this CPU has no " + ("AVX2+FMA" if request.param == AVX2 else "AVX-512F"))
+    yield request.param
+    kernel.skinny_sgemm_select(BEST)
 
 
 def multiply(kernel, x, w, alpha=1.0, beta=0.0, c=None):
@@ -72,7 +85,7 @@ def multiply(kernel, x, w, alpha=1.0, beta=0.0, c=None):
 
 @needs_router
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_products_match_numpy_at_every_block_edge(kernel, threads):
+def test_products_match_numpy_at_every_block_edge(kernel, isa, threads):
     kernel.skinny_sgemm_configure(threads, -1)
     rng = np.random.default_rng(threads)
     # n: below, at and past the 2-4 row blocks and the threading threshold (2^17 weights);
@@ -86,7 +99,7 @@ def test_products_match_numpy_at_every_block_edge(kernel, threads):
 
 
 @needs_router
-def test_alpha_beta_and_leading_dimensions(kernel):
+def test_alpha_beta_and_leading_dimensions(kernel, isa):
     rng = np.random.default_rng(0)
     big_x = rng.standard_normal((5, 40)).astype(np.float32)
     big_w = rng.standard_normal((300, 50)).astype(np.float32)
@@ -106,7 +119,7 @@ def test_alpha_beta_and_leading_dimensions(kernel):
 
 @needs_router
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_has_the_same_bits_whatever_the_number_of_rows(kernel, threads):
+def test_a_row_has_the_same_bits_whatever_the_number_of_rows(kernel, isa, threads):
     kernel.skinny_sgemm_configure(threads, -1)
     rng = np.random.default_rng(1)
     w = rng.standard_normal((1543, 579)).astype(np.float32)

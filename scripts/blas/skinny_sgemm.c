@@ -143,15 +143,21 @@ typedef void (*rows_fn)(const product_t *, int, int);
 static rows_fn rows_kernel;
 static int row_block; /* W rows per kernel step: slices start at multiples of it */
 
-int skinny_sgemm_available(void) {
+int skinny_sgemm_select(int isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
+  int avx512 = __builtin_cpu_supports("avx512f");
+  int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if ((isa == SKINNY_BEST || isa == SKINNY_AVX512) && avx512) {
     rows_kernel = rows_avx512, row_block = 4;
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  } else if ((isa == SKINNY_BEST || isa == SKINNY_AVX2) && avx2) {
     rows_kernel = rows_avx2, row_block = 2;
+  } else {
+    return 0; /* the previous choice stays */
   }
-  return rows_kernel != NULL;
+  return 1;
 }
+
+int skinny_sgemm_available(void) { return skinny_sgemm_select(SKINNY_BEST); }
 
 /* Products smaller than this many weights run on the calling thread alone. */
 #define THREADED_MIN_WEIGHTS (1 << 17)

@@ -2,8 +2,13 @@
 #ifndef SKINNY_SGEMM_H
 #define SKINNY_SGEMM_H
 
-/* 1 if this CPU has a vector unit the kernel supports (selects it); 0 otherwise. */
+/* 1 if this CPU has a vector unit the kernel supports (selects the best); 0 otherwise. */
 int skinny_sgemm_available(void);
+
+/* Select a vector unit by name (tests run both where the CPU has both); 1 if this CPU
+ * has it, 0 (and no change) if not. */
+enum { SKINNY_BEST = 0, SKINNY_AVX2 = 1, SKINNY_AVX512 = 2 };
+int skinny_sgemm_select(int isa);
 
 /* Threads per product (1 = the calling thread only) and busy-wait iterations of an
  * idle helper thread before it sleeps (negative: keep the current value). */
