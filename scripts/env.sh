@@ -1,7 +1,7 @@
 # Sourced by the scripts: fast fp32 matmuls for MLX's Linux CPU backend, whose wheel
 # otherwise uses a reference BLAS that is ~30x slower. The system OpenBLAS is preloaded;
 # with the sgemm router built by scripts/setup (scripts/blas/sgemm_router.c) in front
-# of it, products of 1-8 rows with a weight matrix (decoding, verifying a tree) go to
+# of it, products of 1-16 rows with a weight matrix (decoding, verifying a tree) go to
 # the router's own kernel (scripts/blas/skinny_sgemm.c), other single-row ones to the
 # system OpenBLAS and the rest to OpenBLAS 0.3.34 (docs/performance.md).
 # MLX_REDRAFTER_SKINNY_ROWS=0 turns the kernel off; MLX_REDRAFTER_NO_OPENBLAS=1 keeps the reference BLAS;

@@ -12,7 +12,7 @@
  * (single rows) runs on 0.3.21 exactly as without the router. docs/performance.md
  * has the measurements (scripts/blas/shapes.py times the shapes).
  *
- * Products of 1-8 rows with a transposed weight matrix (every linear layer while
+ * Products of 1-16 rows with a transposed weight matrix (every linear layer while
  * decoding or verifying a tree) go to neither: skinny_sgemm.c streams the weights once,
  * 1.5-2.5x faster than either OpenBLAS at these shapes here, and gives a row the same
  * bits whatever the number of rows. MLX_REDRAFTER_SKINNY_ROWS=0 turns it off (or sets
@@ -82,7 +82,7 @@ static void load_libraries(void) {
   if (multi_row_sgemm == NULL) multi_row_sgemm = next_sgemm;
   if (multi_row_dgemm == NULL) multi_row_dgemm = next_dgemm;
   if (skinny_sgemm_available()) {
-    skinny_max_rows = setting("MLX_REDRAFTER_SKINNY_ROWS", 8);
+    skinny_max_rows = setting("MLX_REDRAFTER_SKINNY_ROWS", 16);
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     int threads = setting("OPENBLAS_NUM_THREADS", cpus > 0 ? (int)cpus : 1);
     skinny_sgemm_configure(setting("MLX_REDRAFTER_SGEMM_THREADS", threads),
