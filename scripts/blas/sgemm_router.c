@@ -8,12 +8,11 @@
  * is fastest for single rows but spends 1.5-1.8x the single-row time on 3-8 rows,
  * while OpenBLAS 0.3.34 (the scipy-openblas32 wheel, whose symbols carry a scipy_
  * prefix) does 3-8 rows in about the single-row time but is slower on single rows.
- * Routing by shape gives every caller the faster one: at batch 1 the mlx-lm baseline
- * (single rows) runs on 0.3.21 exactly as without the router. docs/performance.md
- * has the measurements (scripts/blas/shapes.py times the shapes).
+ * Routing by shape gives every caller the faster one. docs/performance.md has the
+ * measurements (scripts/blas/shapes.py times the shapes).
  *
  * Products of 1-16 rows with a transposed weight matrix (every linear layer while
- * decoding or verifying a tree) go to neither: skinny_sgemm.c streams the weights once,
+ * decoding or verifying a tree, the mlx-lm baseline's included) go to neither: skinny_sgemm.c streams the weights once,
  * 1.5-2.5x faster than either OpenBLAS at these shapes here, and gives a row the same
  * bits whatever the number of rows. MLX_REDRAFTER_SKINNY_ROWS=0 turns it off (or sets
  * the largest row count it takes); MLX_REDRAFTER_SGEMM_THREADS sets its threads

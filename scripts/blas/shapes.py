@@ -1,4 +1,4 @@
-"""Time MLX's fp32 matmul at the shapes of decoding SmolLM2-135M, for M = 1..16 rows.
+"""Time MLX's fp32 matmul at the shapes of decoding SmolLM2-135M, for a few rows M.
 
 Runs through whatever BLAS the process has (see scripts/env.sh), so comparing
 BLAS setups is two runs:
@@ -7,7 +7,8 @@ BLAS setups is two runs:
     MLX_REDRAFTER_NO_ROUTER=1 bash -c 'source scripts/env.sh && \\
         .venv/bin/python scripts/blas/shapes.py'                                  # system OpenBLAS
 
-Each shape cycles through enough distinct weight matrices to exceed the L3 cache,
+`--rows 8,9,12,16` picks the row counts (default 1,2,3,4,8,16). Each shape cycles
+through enough distinct weight matrices to exceed the L3 cache,
 as a forward pass does. Prints a Markdown table of microseconds per product.
 """
 
@@ -42,13 +43,19 @@ def microseconds_per_product(rows: int, out_features: int, in_features: int, rep
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--rows",
+        type=lambda text: [int(m) for m in text.split(",")],
+        default=ROWS,
+        help="comma-separated row counts M (default 1,2,3,4,8,16)",
+    )
     args = parser.parse_args()
-    print("| shape (out × in) | " + " | ".join(f"M={m}" for m in ROWS) + " |")
-    print("| --- |" + " --- |" * len(ROWS))
+    print("| shape (out × in) | " + " | ".join(f"M={m}" for m in args.rows) + " |")
+    print("| --- |" + " --- |" * len(args.rows))
     for out_features, in_features in SHAPES:
         cells = [
             f"{microseconds_per_product(m, out_features, in_features, args.repeats):.0f}"
-            for m in ROWS
+            for m in args.rows
         ]
         print(f"| {out_features} × {in_features} | " + " | ".join(cells) + " |", flush=True)
 

@@ -7,7 +7,7 @@
  * block for large M and, on the benchmark machine, spend 1.3-3x the time of one pass
  * over W (docs/performance.md). This kernel streams W once: it takes a block of NB
  * rows of W, keeps them in L1 while every block of MB rows of X is multiplied with
- * them (M is cut into blocks of 8, 4, 2, 1), and splits W's rows across threads.
+ * them (M is cut into blocks of 4, 2, 1), and splits W's rows across threads.
  *
  * Every output element is one dot product computed the same way wherever it falls
  * (same vector width, same order of fused multiply-adds over k, same final
@@ -39,18 +39,26 @@ static inline float combine(const product_t *p, float dot, const float *old) {
   return p->beta == 0.0f ? p->alpha * dot : p->alpha * dot + p->beta * *old;
 }
 
+/* Point w at rows n..n+NB-1 of W (the last row repeated past the end of W) and x at
+ * rows m..m+MB-1 of X; return the first row of the next block of W, which is fetched
+ * into cache while this block computes. */
+static inline __attribute__((always_inline)) const float *block_rows(
+    const product_t *p, int n, int m, const int MB, const int NB, const float **w,
+    const float **x) {
+  for (int b = 0; b < NB; b++) w[b] = p->w + (size_t)(n + b < p->n ? n + b : n) * p->ldw;
+  for (int a = 0; a < MB; a++) x[a] = p->x + (size_t)(m + a) * p->ldx;
+  return p->w + (size_t)(n + NB < p->n ? n + NB : n) * p->ldw;
+}
+
 /* ---- AVX-512F: 16 lanes, 32 registers; tails of k through masked loads ---- */
 
 __attribute__((target("avx512f"), always_inline)) static inline void block_avx512(
     const product_t *p, int n, int m, const int MB, const int NB) {
-  const float *w[4], *x[8];
-  for (int b = 0; b < NB; b++) w[b] = p->w + (size_t)(n + b < p->n ? n + b : n) * p->ldw;
-  for (int a = 0; a < MB; a++) x[a] = p->x + (size_t)(m + a) * p->ldx;
-  __m512 acc[8][4];
+  const float *w[4], *x[4];
+  const float *next = block_rows(p, n, m, MB, NB, w, x);
+  __m512 acc[4][4];
   for (int a = 0; a < MB; a++)
     for (int b = 0; b < NB; b++) acc[a][b] = _mm512_setzero_ps();
-  /* The next block's rows of W are fetched while this block computes. */
-  const float *next = p->w + (size_t)(n + NB < p->n ? n + NB : n) * p->ldw;
   int kk = 0;
   for (; kk + 16 <= p->k; kk += 16) {
     for (int b = 0; b < NB; b++) _mm_prefetch((const char *)(next + b * p->ldw + kk), _MM_HINT_T0);
@@ -80,12 +88,10 @@ __attribute__((target("avx512f"), always_inline)) static inline void block_avx51
 __attribute__((target("avx512f"))) static void rows_avx512(const product_t *p, int n0, int n1) {
   for (int n = n0; n < n1; n += 4) {
     int m = 0;
-    /* 8 x 3 (24 accumulators) for eight rows, 4 x 4 below: W's 3-4 rows stay in L1. */
-    for (; m + 8 <= p->m; m += 8) {
-      block_avx512(p, n, m, 8, 3);
-      if (n + 3 < n1) block_avx512(p, n + 3, m, 8, 1);
-    }
-    if (m + 4 <= p->m) block_avx512(p, n, m, 4, 4), m += 4;
+    /* 4 x 4 (16 accumulators) up to four rows at a time, then 2 x 4 and 1 x 4; W's
+     * four rows stay in L1 across the passes. (An 8 x 3 block for eight rows at a
+     * time was twice as slow at M = 8.) */
+    for (; m + 4 <= p->m; m += 4) block_avx512(p, n, m, 4, 4);
     if (m + 2 <= p->m) block_avx512(p, n, m, 2, 4), m += 2;
     if (m < p->m) block_avx512(p, n, m, 1, 4);
   }
@@ -102,14 +108,15 @@ __attribute__((target("avx2,fma"))) static inline float sum_avx2(__m256 v) {
 
 __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2(
     const product_t *p, int n, int m, const int MB, const int NB) {
-  const float *w[4], *x[8];
-  for (int b = 0; b < NB; b++) w[b] = p->w + (size_t)(n + b < p->n ? n + b : n) * p->ldw;
-  for (int a = 0; a < MB; a++) x[a] = p->x + (size_t)(m + a) * p->ldx;
-  __m256 acc[8][4];
+  const float *w[4], *x[4];
+  const float *next = block_rows(p, n, m, MB, NB, w, x);
+  __m256 acc[4][4];
   for (int a = 0; a < MB; a++)
     for (int b = 0; b < NB; b++) acc[a][b] = _mm256_setzero_ps();
   int kk = 0;
   for (; kk + 8 <= p->k; kk += 8) {
+    if (kk % 16 == 0) /* one prefetch per 64-byte line */
+      for (int b = 0; b < NB; b++) _mm_prefetch((const char *)(next + b * p->ldw + kk), _MM_HINT_T0);
     __m256 wv[4];
     for (int b = 0; b < NB; b++) wv[b] = _mm256_loadu_ps(w[b] + kk);
     for (int a = 0; a < MB; a++) {
