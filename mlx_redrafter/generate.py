@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 # The default tree for the shipped SmolLM2 drafter as it is now (tau ~1.4-1.5 on MT-Bench):
-# the fastest shape in the benchmark's W x L sweep on this machine (docs/training.md,
-# "How τ moves with W and L"). Revisit with a better-trained drafter, where larger trees pay.
+# the fastest shape in the benchmark's W x L sweep and headline run on this machine
+# (docs/training.md, "How τ moves with W and L"). Revisit with a better-trained
+# drafter, where larger trees pay.
 DEFAULT_BEAM = BeamConfig(beam_width=2, beam_length=2)
 
 Prompt = str | Sequence[int]
