@@ -25,8 +25,7 @@ import mlx.nn as nn
 from mlx_redrafter.config import BeamConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.generate import GenerationResponse, stream_generate
-
-from .prompts import chat_tokens
+from mlx_redrafter.prompts import chat_tokens
 
 DRAFTED = "\033[32m"  # green: drafted by the drafter and accepted by the target
 RESET = "\033[0m"

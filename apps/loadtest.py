@@ -51,7 +51,7 @@ def prompts() -> list[str]:
     from mlx_redrafter.prompts import MT_BENCH, read_prompts
 
     if MT_BENCH.is_file():
-        return read_prompts(MT_BENCH)
+        return [record.messages[-1]["content"] for record in read_prompts(MT_BENCH)]
     return FALLBACK_PROMPTS
 
 
@@ -83,7 +83,7 @@ def load_models(args: argparse.Namespace) -> tuple[Any, Drafter | None, Any]:
 
 
 def step_costs(args: argparse.Namespace) -> int:
-    from .prompts import chat_tokens
+    from mlx_redrafter.prompts import chat_tokens
 
     model, drafter, tokenizer = load_models(args)
     if drafter is None:  # the cost does not depend on the weights: the shipped shape

@@ -30,9 +30,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mlx_redrafter.config import SamplingConfig
+from mlx_redrafter.prompts import chat_tokens, text_tokens
 
 from .batcher import Batcher, Job, RowUpdate
-from .prompts import chat_tokens, text_tokens
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = 512

@@ -214,6 +214,18 @@ def profile_phases(
     return {"draft": draft / total, "verify": verify / total, "other": 1 - (draft + verify) / total}
 
 
+def tau_by_category(runs: Sequence[Run], categories: Sequence[str]) -> dict[str, float]:
+    """tau over each category's prompts (produced tokens over target steps), in first-seen
+    order; categories[i] names prompt i."""
+    produced: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for run in runs:
+        category = categories[run.prompt]
+        produced[category] = produced.get(category, 0.0) + run.produced_tokens
+        steps[category] = steps.get(category, 0) + run.steps
+    return {c: produced[c] / steps[c] if steps[c] else 0.0 for c in produced}
+
+
 def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str, Any]:
     """Per-method figures over the same prompts."""
     mean_tps = statistics.fmean(r.decode_tps for r in runs)
@@ -362,8 +374,14 @@ def run_benchmark(
     prompts: Sequence[list[int]],
     config: BenchConfig,
     progress: Callable[[str], None] | None = None,
+    categories: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Run every method on every prompt, interleaved; returns the full result record."""
+    """Run every method on every prompt, interleaved; returns the full result record.
+
+    categories: one label per prompt (e.g. MT-Bench's); tau is also reported per label.
+    """
+    if categories is not None and len(categories) != len(prompts):
+        raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
     env = environment()
     methods = benchmark_methods(config, drafter is not None)
     warm = replace(config, max_tokens=config.warmup_tokens)
@@ -392,6 +410,8 @@ def run_benchmark(
         summary = summarize(method, runs[method.name], runs[BASELINE.name])
         if profiles.get(method.name):
             summary["time_split"] = profiles[method.name]
+        if categories is not None and any(categories):
+            summary["tau_by_category"] = tau_by_category(runs[method.name], categories)
         summaries.append(summary)
     sweep = batch_sweep(model, drafter, tokenizer, prompts, config) if config.batch_sizes else []
     return {
@@ -402,6 +422,7 @@ def run_benchmark(
             "sampling": asdict(config.sampling),
             "seed": config.seed,
             "prompts": len(prompts),
+            "categories": list(categories) if categories is not None else None,
         },
         "summary": summaries,
         "batch_sweep": sweep,
@@ -431,6 +452,14 @@ def format_table(result: dict[str, Any]) -> str:
             f"{compression_text:>6} "
             f"{split_text:>19} {s['peak_memory_gb']:>7.2f} {match:>6}"
         )
+    by_category = [s for s in result["summary"] if s.get("tau_by_category") and s["tau"] > 1]
+    if by_category:
+        names = list(by_category[0]["tau_by_category"])
+        lines.append("")
+        lines.append(f"{'tau by category':<26} " + " ".join(f"{n[:10]:>10}" for n in names))
+        for s in by_category:
+            taus = s["tau_by_category"]
+            lines.append(f"{s['method']:<26} " + " ".join(f"{taus[n]:>10.2f}" for n in names))
     if result["batch_sweep"]:
         lines.append("")
         lines.append(f"{'batch':>5} {'mlx-lm tok/s':>13} {'plain tok/s':>12} {'redrafter':>10}")

@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,87 +39,10 @@ from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
 from .decode import speculative_decode
 from .drafter import Drafter
 from .files import fsync_path
+from .prompts import PromptRecord, encode_prompt
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.npz"
-
-
-class PromptRecord(NamedTuple):
-    """One prompt to distill: its id, its source tag and its chat messages."""
-
-    id: str
-    source: str
-    messages: list[dict[str, str]]
-
-
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-def _messages_from(record: Any) -> list[dict[str, str]]:
-    """The chat messages of a JSONL record, up to its first user turn."""
-    if not isinstance(record, dict):
-        raise ValueError("not a JSON object")
-    prompt = record.get("prompt")
-    if prompt is not None:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError('"prompt" must be a non-empty string')
-        return [{"role": "user", "content": prompt}]
-    turns = record.get("conversations", record.get("messages"))
-    if turns is None and isinstance(record.get("turns"), list):  # MT-Bench: first turn
-        turns = [{"role": "user", "content": t} for t in record["turns"][:1]]
-    if not isinstance(turns, list):
-        raise ValueError('no "prompt" string and no "conversations" list')
-    messages: list[dict[str, str]] = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise ValueError("a conversation turn is not an object")
-        role = turn.get("from", turn.get("role"))
-        content = turn.get("value", turn.get("content"))
-        if role == "system" and isinstance(content, str):
-            messages.append({"role": "system", "content": content})
-            continue
-        if _ROLES.get(str(role)) == "user" and isinstance(content, str) and content.strip():
-            messages.append({"role": "user", "content": content})
-            return messages
-    raise ValueError("the conversation has no non-empty user turn")
-
-
-def read_prompts(
-    path: str | os.PathLike[str],
-    strict: bool = False,
-    warn: Callable[[str], None] | None = None,
-) -> list[PromptRecord]:
-    """Prompt records from a JSONL file; bad lines are reported and skipped (or raise)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"no prompts file at {file}")
-    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    records: list[PromptRecord] = []
-    seen: set[str] = set()
-    with open(file, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            try:
-                if not line.strip():
-                    raise ValueError("empty line")
-                try:
-                    raw = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"invalid JSON ({error.msg})") from None
-                messages = _messages_from(raw)
-                record_id = str(raw.get("id", raw.get("question_id", f"line-{number}")))
-                if record_id in seen:
-                    raise ValueError(f"duplicate id {record_id!r}")
-            except ValueError as error:
-                message = f"{file}:{number}: {error}"
-                if strict:
-                    raise ValueError(f"{message} (--strict)") from None
-                warn(f"{message}; skipped")
-                continue
-            seen.add(record_id)
-            records.append(PromptRecord(record_id, str(raw.get("source", "")), messages))
-    if not records:
-        raise ValueError(f"{file} holds no usable prompt")
-    return records
 
 
 def _stable_rank(text: str, seed: int) -> str:
@@ -152,15 +75,6 @@ def balanced_order(
         if served[source] == len(groups[source]):
             del active[source]
     return order
-
-
-def encode_prompt(tokenizer: Any, messages: list[dict[str, str]], chat_template: bool) -> list[int]:
-    """Token ids of a prompt: the chat template with a generation prompt, or the raw text."""
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if chat_template and apply is not None and getattr(tokenizer, "chat_template", None):
-        return [int(t) for t in apply(messages, add_generation_prompt=True)]
-    text = "\n".join(m["content"] for m in messages)
-    return [int(t) for t in tokenizer.encode(text)]
 
 
 @dataclass(frozen=True)

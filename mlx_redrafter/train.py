@@ -334,25 +334,90 @@ def _device_batch(model: nn.Module, batch: HostBatch, num_steps: int) -> DraftBa
     )
 
 
+class SoftHead(NamedTuple):
+    """The target's output head restricted to the draft vocabulary: logits = h @ weight + bias.
+
+    weight: (D, Vd); bias: (Vd,).
+    """
+
+    weight: mx.array
+    bias: mx.array
+
+
+def soft_head(model: nn.Module, draft_ids: mx.array | None, dim: int) -> SoftHead | None:
+    """The target's head over the draft vocabulary as one affine map, if it is one.
+
+    Soft targets need the target's logits only for the Vd draft tokens; slicing the
+    head once makes them ~V/Vd times cheaper than the full (.., V) logits. The head
+    is read through `output_logits` (so quantized and tied heads work) and checked
+    on a random vector: a head that is not affine (e.g. with logit soft-capping)
+    returns None and soft targets use the full head. dim: D, the hidden size.
+    """
+    if draft_ids is None:
+        return None
+    bias = output_logits(model, mx.zeros((1, dim))).astype(mx.float32)[0]  # (V,)
+    weight = output_logits(model, mx.eye(dim)).astype(mx.float32) - bias  # (D, V)
+    weight, bias = weight[:, draft_ids], bias[draft_ids]  # (D, Vd), (Vd,)
+    probe = mx.random.normal((2, dim), key=mx.random.key(0))
+    expected = output_logits(model, probe).astype(mx.float32)[:, draft_ids]  # (2, Vd)
+    if not mx.allclose(probe @ weight + bias, expected, rtol=1e-3, atol=1e-3).item():
+        return None
+    mx.eval(weight, bias)
+    return SoftHead(weight, bias)
+
+
+class SoftTargets(NamedTuple):
+    """The target's distribution for every (t, k), over (part of) the draft vocabulary.
+
+    probs: (b, T', K, k) probabilities (over the whole draft vocabulary) of k tokens.
+    ids: (b, T', K, k) their draft-vocabulary indices; None when k = Vd (every token,
+        in order).
+    """
+
+    probs: mx.array
+    ids: mx.array | None
+
+
 def _soft_targets(
-    model: nn.Module, batch: HostBatch, num_steps: int, draft_ids: mx.array | None
-) -> mx.array:
+    model: nn.Module,
+    batch: HostBatch,
+    num_steps: int,
+    draft_ids: mx.array | None,
+    head: SoftHead | None = None,
+    top_k: int = 0,
+) -> SoftTargets:
     """The target's next-token distribution for every (t, k), over the draft vocabulary.
 
     Step k at window position t predicts x_{t+k+2}; the target predicts it from its
-    hidden state at t+k+1. Returns (b, T', K, Vd), renormalised over the draft vocabulary.
+    hidden state at t+k+1. Probabilities are renormalised over the draft vocabulary;
+    top_k > 0 keeps only the target's top_k most likely tokens per position (their
+    probabilities are not renormalised again), which makes the soft loss as cheap as
+    the hard one. `head` (from `soft_head`) computes only the draft vocabulary's logits.
     """
     usable = batch.targets.shape[1]
     hidden = mx.array(batch.hidden).astype(mx.float32)  # (b, T'+2, D)
     # Hidden states at t+1 .. t+K reach past the windows: zeros there (never valid).
     pad = mx.zeros((hidden.shape[0], num_steps, hidden.shape[2]), dtype=hidden.dtype)
     extended = mx.concatenate([hidden, pad], axis=1)  # (b, T'+2+K, D)
-    logits = output_logits(model, extended).astype(mx.float32)  # (b, T'+2+K, V)
-    if draft_ids is not None:
-        logits = logits[..., draft_ids]  # (b, T'+2+K, Vd)
-    probs = mx.softmax(logits, axis=-1)
-    return mx.stop_gradient(
-        mx.stack([probs[:, 1 + k : 1 + k + usable] for k in range(num_steps)], axis=2)
+    if head is not None:
+        logits = extended @ head.weight + head.bias  # (b, T'+2+K, Vd)
+    else:
+        logits = output_logits(model, extended).astype(mx.float32)  # (b, T'+2+K, V)
+        if draft_ids is not None:
+            logits = logits[..., draft_ids]  # (b, T'+2+K, Vd)
+    ids = None
+    if 0 < top_k < logits.shape[-1]:
+        ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k]  # (b, T'+2+K, k)
+        lse = mx.logsumexp(logits, axis=-1, keepdims=True)  # (b, T'+2+K, 1)
+        probs = mx.exp(mx.take_along_axis(logits, ids, axis=-1) - lse)  # (b, T'+2+K, k)
+    else:
+        probs = mx.softmax(logits, axis=-1)  # (b, T'+2+K, Vd)
+
+    def by_step(x: mx.array) -> mx.array:  # (b, T'+2+K, k) -> (b, T', K, k)
+        return mx.stack([x[:, 1 + k : 1 + k + usable] for k in range(num_steps)], axis=2)
+
+    return SoftTargets(
+        mx.stop_gradient(by_step(probs)), None if ids is None else mx.stop_gradient(by_step(ids))
     )
 
 
@@ -360,7 +425,7 @@ def _loss_sums(
     drafter: Drafter,
     batch: DraftBatch,
     valid: mx.array,
-    soft: mx.array | None,
+    soft: SoftTargets | None,
     kl_weight: float,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """(loss summed over positions and steps, correct (K,), loss-only CE sum)."""
@@ -368,9 +433,20 @@ def _loss_sums(
     hard = nn.losses.cross_entropy(logits, batch.targets, reduction="none")  # (b, T', K)
     ce_sum = mx.sum(hard * batch.weights)
     if soft is not None and kl_weight > 0:
-        log_q = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        soft_ce = -mx.sum(soft * log_q, axis=-1)  # (b, T', K)
-        per = (1.0 - kl_weight) * hard + kl_weight * soft_ce
+        # -sum_j c_j log q_j = (sum_j c_j) logsumexp(z) - sum_j c_j z_j: the hard label
+        # (c = 1 - w) and the kept soft labels (c = w p_j) share one logsumexp.
+        lse = mx.logsumexp(logits, axis=-1)  # (b, T', K)
+        if soft.ids is None:
+            coefficients = kl_weight * soft.probs  # (b, T', K, Vd)
+            picked = logits
+        else:
+            hard_weight = mx.full((*soft.probs.shape[:-1], 1), 1.0 - kl_weight)
+            coefficients = mx.concatenate([hard_weight, kl_weight * soft.probs], axis=-1)
+            columns = mx.concatenate([batch.targets[..., None], soft.ids], axis=-1)
+            picked = mx.take_along_axis(logits, columns, axis=-1)  # (b, T', K, 1 + k)
+        per = mx.sum(coefficients, axis=-1) * lse - mx.sum(coefficients * picked, axis=-1)
+        if soft.ids is None:
+            per = per + (1.0 - kl_weight) * hard  # (b, T', K)
         loss_sum = mx.sum(per * valid)
     else:
         loss_sum = ce_sum
@@ -395,7 +471,9 @@ class TrainConfig:
         learning_rate x final_lr_fraction.
     grad_clip: maximum global gradient norm (0 disables clipping).
     kl_weight: 0 trains on the target's tokens (cross-entropy); 1 on the target's
-        full distribution (KL); in between mixes the two.
+        distribution (KL); in between mixes the two.
+    soft_top_k: with kl_weight > 0, the target's distribution is kept for its
+        soft_top_k most likely draft tokens per position (0: all of them).
     validation_fraction: share of sequences held out (chosen by hashing their ids).
     eval_every, checkpoint_every: in optimizer steps (0: only at the end).
     """
@@ -410,6 +488,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     kl_weight: float = 0.0
+    soft_top_k: int = 64
     validation_fraction: float = 0.05
     eval_every: int = 0
     checkpoint_every: int = 100
@@ -427,6 +506,8 @@ class TrainConfig:
             )
         if not 0 <= self.kl_weight <= 1:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
+        if self.soft_top_k < 0:
+            raise ValueError(f"soft_top_k must be >= 0 (0: all tokens), got {self.soft_top_k}")
         if not 0 <= self.validation_fraction < 1:
             raise ValueError(
                 f"validation_fraction must be in [0, 1), got {self.validation_fraction}"
@@ -667,6 +748,10 @@ def train(
         draft_ids = drafter.draft_vocab_ids
         vocab_index = np.full((vocab_size,), -1, dtype=np.int32)
         vocab_index[np.array(draft_ids)] = np.arange(drafter.config.output_size, dtype=np.int32)
+    head = None
+    if config.kl_weight > 0:
+        dim = next(w.hidden.shape[-1] for w in windows if w.hidden is not None)
+        head = soft_head(model, draft_ids, dim)
 
     optimizer = optim.AdamW(
         learning_rate=_schedule(config, total_steps), weight_decay=config.weight_decay
@@ -701,7 +786,7 @@ def train(
     mx.eval(drafter.parameters(), optimizer.state)
 
     def loss_fn(
-        d: Drafter, batch: DraftBatch, valid: mx.array, soft: mx.array | None, scale: mx.array
+        d: Drafter, batch: DraftBatch, valid: mx.array, soft: SoftTargets | None, scale: mx.array
     ) -> tuple[mx.array, tuple[mx.array, mx.array]]:
         loss_sum, correct, ce_sum = _loss_sums(d, batch, valid, soft, config.kl_weight)
         return loss_sum * scale, (correct, ce_sum)
@@ -738,7 +823,7 @@ def train(
             batch = _device_batch(model, host[j], config.num_steps)
             valid = mx.array(host[j].valid.astype(np.float32))
             soft = (
-                _soft_targets(model, host[j], config.num_steps, draft_ids)
+                _soft_targets(model, host[j], config.num_steps, draft_ids, head, config.soft_top_k)
                 if config.kl_weight > 0
                 else None
             )

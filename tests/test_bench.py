@@ -31,7 +31,10 @@ def result(trained_llama):
         profile_prompts=2,
         batch_sizes=(1, 2),
     )
-    return run_benchmark(model, drafter, tiny_tokenizer(), prompts[:3], config)
+    categories = ["writing", "coding", "writing"]
+    return run_benchmark(
+        model, drafter, tiny_tokenizer(), prompts[:3], config, categories=categories
+    )
 
 
 def test_every_method_runs_on_every_prompt(result):
@@ -66,6 +69,25 @@ def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
     assert set(split) == {"draft", "verify", "other"}
     assert sum(split.values()) == pytest.approx(1.0)
     assert sum(packed["accepted_histogram"]) > 0
+
+
+def test_tau_is_reported_per_category(result):
+    assert result["config"]["categories"] == ["writing", "coding", "writing"]
+    runs = result["runs"]
+    for summary in result["summary"]:
+        mine = [r for r in runs if r["method"] == summary["method"]]
+        by_category = summary["tau_by_category"]
+        assert list(by_category) == ["writing", "coding"]
+        for category, prompts in (("writing", (0, 2)), ("coding", (1,))):
+            chosen = [r for r in mine if r["prompt"] in prompts]
+            expected = sum(r["produced_tokens"] for r in chosen) / sum(r["steps"] for r in chosen)
+            assert by_category[category] == pytest.approx(expected)
+        if summary["method"] == "plain":
+            assert by_category == {"writing": 1.0, "coding": 1.0}
+    assert "tau by category" in format_table(result)
+    with pytest.raises(ValueError, match="2 categories for 3 prompts"):
+        model = None
+        run_benchmark(model, None, None, [[1], [2], [3]], BenchConfig(), categories=["a", "b"])
 
 
 def test_batch_sweep_reports_throughput(result):
@@ -113,8 +135,16 @@ def test_argument_parsing_and_prompt_files(tmp_path):
         parse_beams("0x4")
     assert parse_sizes("1,2,4") == (1, 2, 4)
     file = tmp_path / "p.jsonl"
-    file.write_text('{"prompt": "a"}\n\nnot json\n{"turns": ["b", "c"]}\n{"x": 1}\n')
-    with pytest.warns(UserWarning, match=":3:"):
-        assert read_prompts(file) == ["a", "b"]
+    file.write_text(
+        '{"prompt": "a"}\n{"turns": ["b", "c"], "category": "math"}\nnot json\n{"x": 1}\n'
+    )
+    warnings: list[str] = []
+    records = read_prompts(file, warn=warnings.append)
+    assert [r.messages for r in records] == [
+        [{"role": "user", "content": "a"}],
+        [{"role": "user", "content": "b"}],
+    ]
+    assert [r.source for r in records] == ["", "math"]  # MT-Bench's category is the source
+    assert [w.split(": ")[0] for w in warnings] == [f"{file}:3", f"{file}:4"]
     with pytest.raises(ValueError, match=":3:"):
         read_prompts(file, strict=True)

@@ -24,8 +24,8 @@ from mlx.utils import tree_flatten
 from tiny_models import _COMMON, FAMILY_CONFIGS, tiny_tokenizer
 
 from apps.chat import ChatSession, run_chat
-from apps.prompts import chat_tokens
 from mlx_redrafter import generate
+from mlx_redrafter.prompts import chat_tokens
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 CHAT_TEMPLATE = (

@@ -12,13 +12,12 @@ from tiny_models import tiny_model, tiny_tokenizer
 from mlx_redrafter.cli import main
 from mlx_redrafter.distill import (
     DistillConfig,
-    PromptRecord,
     balanced_order,
     distill,
     load_distilled,
-    read_prompts,
     shard_paths,
 )
+from mlx_redrafter.prompts import PromptRecord, read_prompts
 from mlx_redrafter.target import prepare_target
 
 EOS = 20  # the tiny target emits it in some replies

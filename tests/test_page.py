@@ -204,7 +204,7 @@ def test_the_chat_page_streams_a_reply(trained_llama: Any, tmp_path: Path) -> No
     pytest.importorskip("websockets")
     from test_server import Served
 
-    from apps.prompts import chat_tokens
+    from mlx_redrafter.prompts import chat_tokens
 
     model, drafter, prompts = trained_llama
     served = Served(model, drafter, prompts, "3:4x4")

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import decode_tokens, random_prompts
@@ -18,7 +19,7 @@ from mlx_redrafter import train as train_module
 from mlx_redrafter.cli import main
 from mlx_redrafter.config import BeamConfig
 from mlx_redrafter.drafter import Drafter
-from mlx_redrafter.target import prepare_target
+from mlx_redrafter.target import output_logits, prepare_target
 from mlx_redrafter.train import (
     CheckpointError,
     TrainConfig,
@@ -27,6 +28,7 @@ from mlx_redrafter.train import (
     latest_checkpoint,
     measure_tau,
     read_checkpoint,
+    soft_head,
     train,
     vocab_coverage,
     write_checkpoint,
@@ -88,6 +90,32 @@ def test_distillation_against_the_target_distribution_learns(data):
     early = np.mean(report.train_accuracy[:3], axis=0)
     late = np.mean(report.train_accuracy[-5:], axis=0)
     assert np.all(late > 1.5 * early)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_soft_head_is_the_target_head_on_the_draft_vocabulary(family, quantized):
+    """Tied (llama) and separate (mistral, gemma3) heads, float and 4-bit."""
+    model = tiny_model(family)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    draft_ids = mx.array([3, 17, 40, 63])
+    head = soft_head(model, draft_ids, dim=32)
+    assert head is not None and head.weight.shape == (32, 4) and head.bias.shape == (4,)
+    hidden = mx.random.normal((2, 5, 32), key=mx.random.key(3))  # (B, T, D)
+    expected = output_logits(model, hidden)[..., draft_ids]  # (B, T, Vd)
+    assert mx.allclose(hidden @ head.weight + head.bias, expected, rtol=1e-4, atol=1e-4).item()
+    assert soft_head(model, None, dim=32) is None
+
+
+def test_soft_head_refuses_a_head_that_is_not_affine(monkeypatch):
+    model = tiny_model("llama")
+
+    def capped(m, h):  # logit soft-capping, as some families apply
+        return 5.0 * mx.tanh(output_logits(m, h) / 5.0)
+
+    monkeypatch.setattr(train_module, "output_logits", capped)
+    assert soft_head(model, mx.array([1, 2]), dim=32) is None
 
 
 def test_reduced_vocabulary_and_exit_dim_train_and_decode_faster(data):
@@ -277,11 +305,51 @@ def test_soft_labels_line_up_with_the_hard_ones(data):
     windows = [make_window(s) for s in sequences[:6]]
     compute_hidden(model, sequences[:6], windows)
     batch = host_batch(windows, 3, None)
-    soft = _soft_targets(model, batch, 3, None)  # (b, T', K, V)
-    assert soft.shape == (*batch.targets.shape, 64)
-    predicted = np.array(mx.argmax(soft, axis=-1))
+    full = _soft_targets(model, batch, 3, None)
+    assert full.ids is None and full.probs.shape == (*batch.targets.shape, 64)  # (b, T', K, V)
+    predicted = np.array(mx.argmax(full.probs, axis=-1))
     assert batch.valid.sum() > 100
     assert np.array_equal(predicted[batch.valid], batch.targets[batch.valid])
+    # The top-k form keeps the k most likely tokens with their full-distribution
+    # probabilities: the written token among them, the kept mass below 1.
+    top = _soft_targets(model, batch, 3, None, top_k=5)
+    assert top.ids is not None and top.probs.shape == (*batch.targets.shape, 5)
+    gathered = mx.take_along_axis(full.probs, top.ids, axis=-1)
+    assert mx.allclose(top.probs, gathered, atol=1e-6).item()
+    kept = np.array(top.ids)[batch.valid]  # (n, 5)
+    assert all(t in row for t, row in zip(batch.targets[batch.valid], kept))
+    smallest_kept = np.array(mx.min(top.probs, axis=-1))[batch.valid]
+    others = np.array(full.probs)[batch.valid].copy()  # (n, V)
+    np.put_along_axis(others, kept, 0.0, axis=-1)
+    assert np.all(others.max(axis=-1) <= smallest_kept + 1e-6)
+
+
+def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
+    from mlx_redrafter.train import (
+        _device_batch,
+        _loss_sums,
+        _soft_targets,
+        compute_hidden,
+        host_batch,
+        make_window,
+    )
+
+    model, sequences, _ = data
+    windows = [make_window(s) for s in sequences[:4]]
+    compute_hidden(model, sequences[:4], windows)
+    host = host_batch(windows, 3, None)
+    batch = _device_batch(model, host, 3)
+    valid = mx.array(host.valid.astype(np.float32))
+    mx.random.seed(0)
+    drafter = Drafter.create(model)
+    dense = _soft_targets(model, host, 3, None)
+    every = _soft_targets(model, host, 3, None, top_k=63)  # all but the least likely token
+    loss_dense, _, _ = _loss_sums(drafter, batch, valid, dense, 1.0)
+    loss_top, _, _ = _loss_sums(drafter, batch, valid, every, 1.0)
+    assert abs(loss_top.item() - loss_dense.item()) < 1e-3 * abs(loss_dense.item())
+    logits = drafter.teacher_forced_logits(batch.hidden, batch.token_embeddings)
+    reference = -mx.sum(dense.probs * nn.log_softmax(logits, axis=-1), axis=-1)  # (b, T', K)
+    assert mx.allclose(loss_dense, mx.sum(reference * valid), rtol=1e-5).item()
 
 
 def test_distill_then_train_from_the_command_line(tmp_path, capsys):

@@ -17,7 +17,7 @@ from ..bench import (
 )
 from ..config import BeamConfig, SamplingConfig
 from ..generate import DEFAULT_BEAM
-from ..prompts import MT_BENCH, chat_tokens, read_prompts
+from ..prompts import MT_BENCH, encode_prompt, read_prompts
 from .common import load_from_args
 
 
@@ -108,10 +108,13 @@ def run(args: argparse.Namespace) -> int:
         profile_prompts=args.profile_prompts,
         batch_sizes=args.batch_sizes,
     )
-    texts = read_prompts(args.prompts)[: args.limit]
+    records = read_prompts(args.prompts)[: args.limit]
     model, drafter, tokenizer = load_from_args(args)
-    prompts = [chat_tokens(tokenizer, text) for text in texts]
-    result = run_benchmark(model, drafter, tokenizer, prompts, config, progress_printer())
+    prompts = [encode_prompt(tokenizer, record.messages) for record in records]
+    categories = [record.source for record in records]
+    result = run_benchmark(
+        model, drafter, tokenizer, prompts, config, progress_printer(), categories
+    )
     print(file=sys.stderr)
     warning = slow_blas_warning(result["environment"])
     if warning:

@@ -9,9 +9,10 @@ import warnings
 from typing import Any
 
 from ..config import BeamConfig
-from ..distill import DistillConfig, balanced_order, distill, read_prompts
+from ..distill import DistillConfig, balanced_order, distill
 from ..generate import DEFAULT_BEAM
 from ..loading import NoShippedDrafterWarning, load
+from ..prompts import read_prompts
 
 
 def _weights(text: str | None) -> dict[str, float]:
