@@ -434,19 +434,20 @@ def _loss_sums(
     ce_sum = mx.sum(hard * batch.weights)
     if soft is not None and kl_weight > 0:
         # -sum_j c_j log q_j = (sum_j c_j) logsumexp(z) - sum_j c_j z_j: the hard label
-        # (c = 1 - w) and the kept soft labels (c = w p_j) share one logsumexp.
+        # (c = 1 - w, 0 where it is outside the draft vocabulary) and the kept soft
+        # labels (c = w p_j) share one logsumexp.
         lse = mx.logsumexp(logits, axis=-1)  # (b, T', K)
         if soft.ids is None:
             coefficients = kl_weight * soft.probs  # (b, T', K, Vd)
             picked = logits
         else:
-            hard_weight = mx.full((*soft.probs.shape[:-1], 1), 1.0 - kl_weight)
+            hard_weight = (1.0 - kl_weight) * batch.weights[..., None]  # (b, T', K, 1)
             coefficients = mx.concatenate([hard_weight, kl_weight * soft.probs], axis=-1)
             columns = mx.concatenate([batch.targets[..., None], soft.ids], axis=-1)
             picked = mx.take_along_axis(logits, columns, axis=-1)  # (b, T', K, 1 + k)
         per = mx.sum(coefficients, axis=-1) * lse - mx.sum(coefficients * picked, axis=-1)
         if soft.ids is None:
-            per = per + (1.0 - kl_weight) * hard  # (b, T', K)
+            per = per + (1.0 - kl_weight) * hard * batch.weights  # (b, T', K)
         loss_sum = mx.sum(per * valid)
     else:
         loss_sum = ce_sum

@@ -352,6 +352,38 @@ def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
     assert mx.allclose(loss_dense, mx.sum(reference * valid), rtol=1e-5).item()
 
 
+def test_hard_half_of_the_soft_loss_skips_tokens_outside_the_draft_vocabulary(data):
+    """Targets outside the draft vocabulary are stored as index 0 with weight 0: the
+    hard part of a mixed loss must not pull them toward draft token 0."""
+    from mlx_redrafter.train import (
+        SoftTargets,
+        _device_batch,
+        _loss_sums,
+        compute_hidden,
+        host_batch,
+        make_window,
+    )
+
+    model, sequences, _ = data
+    windows = [make_window(s) for s in sequences[:4]]
+    compute_hidden(model, sequences[:4], windows)
+    vocab = choose_draft_vocab(sequences, 24)
+    index = np.full((64,), -1, dtype=np.int32)
+    index[vocab] = np.arange(24, dtype=np.int32)
+    host = host_batch(windows, 3, index)
+    assert (host.valid & ~host.in_vocab).sum() > 10  # some targets fall outside
+    batch = _device_batch(model, host, 3)
+    valid = mx.array(host.valid.astype(np.float32))
+    mx.random.seed(0)
+    drafter = Drafter.create(model, exit_dim=16, draft_vocab_ids=vocab)
+    shape = (*host.targets.shape, 5)
+    no_mass = SoftTargets(mx.zeros(shape), mx.zeros(shape, dtype=mx.int32))
+    dense_no_mass = SoftTargets(mx.zeros((*host.targets.shape, 24)), None)
+    for soft in (no_mass, dense_no_mass):
+        loss, _, ce_sum = _loss_sums(drafter, batch, valid, soft, 0.25)
+        assert loss.item() == pytest.approx(0.75 * ce_sum.item(), rel=1e-5)
+
+
 def test_distill_then_train_from_the_command_line(tmp_path, capsys):
     """The two commands end to end on a tiny model folder: data, drafter, report, export."""
     import mlx_lm.utils
