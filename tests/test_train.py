@@ -324,22 +324,22 @@ def test_soft_labels_line_up_with_the_hard_ones(data):
     assert np.all(others.max(axis=-1) <= smallest_kept + 1e-6)
 
 
-def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
-    from mlx_redrafter.train import (
-        _device_batch,
-        _loss_sums,
-        _soft_targets,
-        compute_hidden,
-        host_batch,
-        make_window,
-    )
+def teacher_forcing(data, count, vocab_index=None):
+    """The first `count` sequences as one micro-batch: (host batch, device batch, valid)."""
+    from mlx_redrafter.train import _device_batch, compute_hidden, host_batch, make_window
 
     model, sequences, _ = data
-    windows = [make_window(s) for s in sequences[:4]]
-    compute_hidden(model, sequences[:4], windows)
-    host = host_batch(windows, 3, None)
-    batch = _device_batch(model, host, 3)
-    valid = mx.array(host.valid.astype(np.float32))
+    windows = [make_window(s) for s in sequences[:count]]
+    compute_hidden(model, sequences[:count], windows)
+    host = host_batch(windows, 3, vocab_index)
+    return host, _device_batch(model, host, 3), mx.array(host.valid.astype(np.float32))
+
+
+def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
+    from mlx_redrafter.train import _loss_sums, _soft_targets
+
+    model = data[0]
+    host, batch, valid = teacher_forcing(data, 4)
     mx.random.seed(0)
     drafter = Drafter.create(model)
     dense = _soft_targets(model, host, 3, None)
@@ -355,25 +355,14 @@ def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
 def test_hard_half_of_the_soft_loss_skips_tokens_outside_the_draft_vocabulary(data):
     """Targets outside the draft vocabulary are stored as index 0 with weight 0: the
     hard part of a mixed loss must not pull them toward draft token 0."""
-    from mlx_redrafter.train import (
-        SoftTargets,
-        _device_batch,
-        _loss_sums,
-        compute_hidden,
-        host_batch,
-        make_window,
-    )
+    from mlx_redrafter.train import SoftTargets, _loss_sums
 
     model, sequences, _ = data
-    windows = [make_window(s) for s in sequences[:4]]
-    compute_hidden(model, sequences[:4], windows)
     vocab = choose_draft_vocab(sequences, 24)
     index = np.full((64,), -1, dtype=np.int32)
     index[vocab] = np.arange(24, dtype=np.int32)
-    host = host_batch(windows, 3, index)
+    host, batch, valid = teacher_forcing(data, 4, index)
     assert (host.valid & ~host.in_vocab).sum() > 10  # some targets fall outside
-    batch = _device_batch(model, host, 3)
-    valid = mx.array(host.valid.astype(np.float32))
     mx.random.seed(0)
     drafter = Drafter.create(model, exit_dim=16, draft_vocab_ids=vocab)
     shape = (*host.targets.shape, 5)
