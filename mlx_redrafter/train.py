@@ -437,17 +437,15 @@ def _loss_sums(
         # (c = 1 - w, 0 where it is outside the draft vocabulary) and the kept soft
         # labels (c = w p_j) share one logsumexp.
         lse = mx.logsumexp(logits, axis=-1)  # (b, T', K)
-        if soft.ids is None:
-            coefficients = kl_weight * soft.probs  # (b, T', K, Vd)
-            picked = logits
+        if soft.ids is None:  # every draft token: the dense distribution
+            soft_ce = mx.sum(soft.probs, axis=-1) * lse - mx.sum(soft.probs * logits, axis=-1)
+            per = (1.0 - kl_weight) * hard * batch.weights + kl_weight * soft_ce  # (b, T', K)
         else:
             hard_weight = (1.0 - kl_weight) * batch.weights[..., None]  # (b, T', K, 1)
             coefficients = mx.concatenate([hard_weight, kl_weight * soft.probs], axis=-1)
             columns = mx.concatenate([batch.targets[..., None], soft.ids], axis=-1)
             picked = mx.take_along_axis(logits, columns, axis=-1)  # (b, T', K, 1 + k)
-        per = mx.sum(coefficients, axis=-1) * lse - mx.sum(coefficients * picked, axis=-1)
-        if soft.ids is None:
-            per = per + (1.0 - kl_weight) * hard * batch.weights  # (b, T', K)
+            per = mx.sum(coefficients, axis=-1) * lse - mx.sum(coefficients * picked, axis=-1)
         loss_sum = mx.sum(per * valid)
     else:
         loss_sum = ce_sum

@@ -13,25 +13,18 @@ evaluated on its own, so every figure includes one evaluation's overhead).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
+
+from mlx_redrafter.commands.kernels import median_seconds
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 ROPE_BASE = 100000.0
 
 
 def microseconds(function: Callable[[], mx.array], repeats: int) -> float:
-    for _ in range(10):
-        mx.eval(function())
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        mx.eval(function())
-        samples.append(time.perf_counter() - started)
-    samples.sort()
-    return samples[len(samples) // 2] * 1e6
+    return median_seconds(function, repeats, warmup=10) * 1e6
 
 
 def row(num_tokens: int, context: int, repeats: int) -> list[float]:

@@ -14,9 +14,10 @@
  * Products of 1-16 rows with a transposed weight matrix (every linear layer while
  * decoding or verifying a tree, the mlx-lm baseline's included) go to neither:
  * skinny_sgemm.c streams the weights once, 1.5-2.5x faster than either OpenBLAS at
- * these shapes here, and gives a row the same bits whatever the number of rows. MLX_REDRAFTER_SKINNY_ROWS=0 turns it off (or sets
- * the largest row count it takes); MLX_REDRAFTER_SGEMM_THREADS sets its threads
- * (default: OPENBLAS_NUM_THREADS, else the online CPUs) and MLX_REDRAFTER_SGEMM_SPIN
+ * these shapes here, and gives a row the same bits whatever the number of rows.
+ * MLX_REDRAFTER_SKINNY_ROWS=0 turns it off (or sets the largest row count it takes);
+ * MLX_REDRAFTER_SGEMM_THREADS sets its threads (default: OPENBLAS_NUM_THREADS, else
+ * the online CPUs) and MLX_REDRAFTER_SGEMM_SPIN
  * how long an idle helper thread busy-waits before it sleeps (pause instructions,
  * default 20000).
  *
