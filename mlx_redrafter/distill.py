@@ -3,7 +3,9 @@
 Prompts come from JSONL (`{"prompt": ...}` or ShareGPT-style
 `{"conversations": [{"from": "human", "value": ...}, ...]}`), get the chat
 template, and are decoded in batches by `speculative_decode` (plain decoding
-when no drafter is given). Each finished batch becomes one shard,
+when no drafter is given). Every row of a batch is prefilled to its longest
+prompt and decodes until its longest reply ends, so `length_batches` sorts each
+window of a few batches by prompt length first. Each finished batch becomes one shard,
 `shard-XXXXX.npz`, written to a temporary name, fsync'd and renamed into place,
 so the folder only ever holds complete shards. A restarted run reads the ids
 already present in the shards and continues with the rest: an interruption
@@ -75,6 +77,27 @@ def balanced_order(
         if served[source] == len(groups[source]):
             del active[source]
     return order
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, window: int) -> list[list[int]]:
+    """Split positions 0..R-1 into batches, sorting each window of `window` batches by length.
+
+    lengths: (R,) prompt lengths in the order the records should be served.
+    Returns batches of indices into `lengths`: consecutive runs of `batch_size`
+    when `window` is 1; otherwise each run of `window * batch_size` records is
+    sorted by length (stable) before it is cut, so the order across windows,
+    and with it the source mix of every prefix, is kept at window granularity.
+    """
+    if batch_size < 1 or window < 1:
+        raise ValueError(f"batch size and window must be >= 1, got {batch_size} and {window}")
+    span = batch_size * window
+    batches: list[list[int]] = []
+    for start in range(0, len(lengths), span):
+        rows = list(range(start, min(start + span, len(lengths))))
+        if window > 1:
+            rows.sort(key=lambda i: lengths[i])
+        batches.extend(rows[i : i + batch_size] for i in range(0, len(rows), batch_size))
+    return batches
 
 
 @dataclass(frozen=True)
@@ -203,6 +226,7 @@ def distill(
     config: DistillConfig,
     *,
     batch_size: int = 32,
+    length_window: int = 8,
     limit: int | None = None,
     worker: tuple[int, int] = (0, 1),
     drafter: Drafter | None = None,
@@ -214,7 +238,10 @@ def distill(
     `records` is taken in order (use `balanced_order` first); `limit` caps the
     number of records the folder should hold in total. `worker=(i, n)` lets n
     processes fill one folder together: worker i decodes every n-th wanted
-    record and names its shards `shard-w<i>-XXXXX.npz`.
+    record and names its shards `shard-w<i>-XXXXX.npz`. Batches come from
+    `length_batches(..., length_window)` over the worker's whole share, so a
+    restarted run forms the same batches and skips the finished ones (greedy
+    replies do not depend on the batching; sampled ones do, as on batch_size).
     """
     index, count = worker
     if not 0 <= index < count:
@@ -234,7 +261,13 @@ def distill(
             done.update(str(i) for i in data["ids"].tolist())
     wanted = list(records) if limit is None else list(records)[:limit]
     # Worker i owns every n-th record of the wanted list (stable across restarts).
-    pending = [r for r in wanted[index::count] if r.id not in done]
+    share = wanted[index::count]
+    prompts = [encode_prompt(tokenizer, r.messages, config.chat_template) for r in share]
+    batches = [
+        [i for i in rows if share[i].id not in done]
+        for rows in length_batches([len(p) for p in prompts], batch_size, length_window)
+    ]
+    batches = [rows for rows in batches if rows]
     prefix = f"w{index}-" if count > 1 else ""
     mine = [p for p in existing if p.stem[len("shard-") :].startswith(prefix)]
     if not prefix:
@@ -246,18 +279,21 @@ def distill(
     if eos_id is None and eos:
         eos_id = min(eos)
     beam = beam if drafter is not None and beam is not None else PLAIN_DECODING
-    bar = _progress(len(done) + len(pending), len(done), progress)
+    pending = sum(len(rows) for rows in batches)
+    bar = _progress(len(done) + pending, len(done), progress)
     try:
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start : start + batch_size]
-            prompts = [encode_prompt(tokenizer, r.messages, config.chat_template) for r in batch]
+        for rows in batches:
+            batch = [share[i] for i in rows]
+            batch_prompts = [prompts[i] for i in rows]
             key = None
             if not sampling.greedy:
                 digest = hashlib.sha256(f"{config.seed}:{batch[0].id}".encode()).digest()
                 key = mx.random.key(int.from_bytes(digest[:4], "little"))
             outputs: list[list[int]] = [[] for _ in batch]
             finish = [0] * len(batch)
-            for event in speculative_decode(model, drafter, prompts, beam, sampling, stop, key=key):
+            for event in speculative_decode(
+                model, drafter, batch_prompts, beam, sampling, stop, key=key
+            ):
                 for row, tokens in zip(event.row_ids, event.tokens):
                     outputs[row].extend(tokens)
                     bar.tokens += len(tokens)
@@ -266,10 +302,10 @@ def distill(
                         finish[row] = 1
                 bar.refresh()
             sequences = []
-            for prompt, completion, ended in zip(prompts, outputs, finish):
+            for prompt, completion, ended in zip(batch_prompts, outputs, finish):
                 stop_token = [eos_id] if ended and eos_id is not None else []
                 sequences.append(prompt + completion + stop_token)
-            shard = Shard([r.id for r in batch], sequences, [len(p) for p in prompts], finish)
+            shard = Shard([r.id for r in batch], sequences, [len(p) for p in batch_prompts], finish)
             path = write_shard(folder, next_index, shard, prefix)
             next_index += 1
             bar.update(len(batch))

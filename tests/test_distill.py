@@ -14,6 +14,7 @@ from mlx_redrafter.distill import (
     DistillConfig,
     balanced_order,
     distill,
+    length_batches,
     load_distilled,
     shard_paths,
 )
@@ -93,6 +94,22 @@ def test_balanced_order_follows_the_weights():
     assert all(r.source == "math" for r in balanced_order(records, {"roleplay": 0}))
 
 
+def test_length_batches_sort_within_windows_and_keep_the_order_across_them():
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4, 6, 0]
+    assert length_batches(lengths, 3, 1) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    batches = length_batches(lengths, 2, 2)  # windows of 4: positions 0-3, 4-7, 8-9
+    assert batches == [[1, 3], [0, 2], [5, 7], [4, 6], [9, 8]]
+    assert sorted(i for rows in batches for i in rows) == list(range(10))
+
+    # Padding (every row prefilled to its batch's longest prompt) is what sorting saves.
+    def padded(batches):
+        return sum(len(rows) * max(lengths[i] for i in rows) for rows in batches)
+
+    assert padded(length_batches(lengths, 2, 5)) < padded(length_batches(lengths, 2, 1))
+    with pytest.raises(ValueError, match="window"):
+        length_batches(lengths, 2, 0)
+
+
 def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
     model, tokenizer = target
     records = read_prompts(prompt_file(tmp_path, count=7))
@@ -102,7 +119,9 @@ def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
     )
     assert [p.name for p in shards] == ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]
     data = load_distilled([tmp_path / "out"])
-    assert [d.id for d in data] == [r.id for r in records]
+    assert sorted(d.id for d in data) == sorted(r.id for r in records)
+    # One window of 8 batches holds all 7 prompts: shards come shortest prompt first.
+    assert [d.prompt_length for d in data] == sorted(d.prompt_length for d in data)
     stopped = 0
     for item in data:
         prompt = item.tokens[: item.prompt_length]
@@ -113,7 +132,8 @@ def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
             assert reply == expected[: expected.index(EOS) + 1]
         else:
             assert reply == expected
-    assert data[0].tokens[: data[0].prompt_length] == tokenizer.encode(
+    first = next(d for d in data if d.id == "p0")
+    assert first.tokens[: first.prompt_length] == tokenizer.encode(
         json.loads((tmp_path / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
     )
     assert stopped >= 2  # some rows stopped at EOS while others went on
@@ -144,6 +164,25 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating(target, tmp_path
     # Other settings in the same folder are refused.
     with pytest.raises(ValueError, match="other settings.*max_tokens"):
         list(distill(model, tokenizer, records, tmp_path / "b", DistillConfig(max_tokens=5)))
+
+
+def test_a_window_of_one_keeps_the_prompt_order(target, tmp_path):
+    model, tokenizer = target
+    records = read_prompts(prompt_file(tmp_path, count=5))
+    config = DistillConfig(max_tokens=4)
+    list(
+        distill(
+            model,
+            tokenizer,
+            records,
+            tmp_path / "out",
+            config,
+            batch_size=2,
+            length_window=1,
+            progress=False,
+        )
+    )
+    assert [d.id for d in load_distilled([tmp_path / "out"])] == [r.id for r in records]
 
 
 def test_sampled_distillation_is_reproducible(target, tmp_path):

@@ -53,6 +53,13 @@ def register(commands: Any) -> None:
     parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--length-window",
+        type=int,
+        default=8,
+        help="sort each run of this many batches by prompt length, so that a batch's "
+        "rows share a similar prefill (1: keep the order)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="records wanted in total")
     parser.add_argument(
         "--worker",
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         args.output,
         config,
         batch_size=args.batch_size,
+        length_window=args.length_window,
         limit=args.limit,
         worker=worker,
         drafter=drafter,
