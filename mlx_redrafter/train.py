@@ -741,12 +741,7 @@ def train(
     )
     hidden_seconds = time.perf_counter() - started
 
-    vocab_index: np.ndarray | None = None
-    draft_ids: mx.array | None = None
-    if drafter.config.draft_vocab_size is not None:
-        draft_ids = drafter.draft_vocab_ids
-        vocab_index = np.full((vocab_size,), -1, dtype=np.int32)
-        vocab_index[np.array(draft_ids)] = np.arange(drafter.config.output_size, dtype=np.int32)
+    vocab_index, draft_ids = _draft_vocab_index(drafter)
     head = None
     if config.kl_weight > 0:
         dim = next(w.hidden.shape[-1] for w in windows if w.hidden is not None)
@@ -783,6 +778,15 @@ def train(
         report.validation = list(state.get("validation", []))
         say(f"resumed from {path} at step {step}")
     mx.eval(drafter.parameters(), optimizer.state)
+    if step == 0 and config.eval_every:
+        # Where the run starts from (chance for a new drafter; --init-drafter's own figure).
+        metrics = evaluate(model, drafter, windows, my_valid, config, vocab_index, draft_ids, group)
+        report.validation.append({**metrics, "step": 0})
+        say(
+            "step 0: validation loss {:.3f}, accuracy {}".format(
+                metrics["loss"], " ".join(f"{a:.3f}" for a in metrics["accuracy"])
+            )
+        )
 
     def loss_fn(
         d: Drafter, batch: DraftBatch, valid: mx.array, soft: SoftTargets | None, scale: mx.array
@@ -922,6 +926,56 @@ def _config_record(config: TrainConfig) -> dict[str, Any]:
     for key in ("eval_every", "checkpoint_every"):
         record.pop(key)
     return record
+
+
+def _draft_vocab_index(drafter: Drafter) -> tuple[np.ndarray | None, mx.array | None]:
+    """Target id -> draft index (-1 outside the draft vocabulary) and the draft ids.
+
+    Returns (vocab_index (V,), draft_ids (Vd,)), or (None, None) for a full-vocabulary head.
+    """
+    if drafter.config.draft_vocab_size is None:
+        return None, None
+    draft_ids = drafter.draft_vocab_ids
+    vocab_index = np.full((drafter.config.vocab_size,), -1, dtype=np.int32)
+    vocab_index[np.array(draft_ids)] = np.arange(drafter.config.output_size, dtype=np.int32)
+    return vocab_index, draft_ids
+
+
+def validate(
+    model: nn.Module,
+    drafter: Drafter,
+    sequences: Sequence[TrainingSequence],
+    ids: Sequence[str],
+    config: TrainConfig,
+    *,
+    progress: bool = True,
+    hidden_cache: str | os.PathLike[str] | None = None,
+    hidden_cache_tag: str = "",
+) -> dict[str, Any]:
+    """`evaluate` on the sequences `train` holds out for these ids (same fraction and seed).
+
+    Lets two drafters be compared on one validation split, e.g. a shipped drafter
+    against a new run's, whatever data each was trained on.
+    """
+    drafter.check_fits(model)
+    held = split_validation(ids, config.validation_fraction, config.seed)
+    rows = [i for i, h in enumerate(held) if h and len(sequences[i].tokens) > 2]
+    if not rows:
+        raise ValueError(
+            f"no sequence is held out at validation fraction {config.validation_fraction}: "
+            "pass more data or a larger --validation-fraction"
+        )
+    windows = [make_window(sequences[i]) for i in rows]
+    compute_hidden(
+        model,
+        [sequences[i] for i in rows],
+        windows,
+        progress=progress,
+        cache_dir=hidden_cache,
+        cache_tag=hidden_cache_tag,
+    )
+    vocab_index, draft_ids = _draft_vocab_index(drafter)
+    return evaluate(model, drafter, windows, range(len(rows)), config, vocab_index, draft_ids)
 
 
 def evaluate(

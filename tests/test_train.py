@@ -413,7 +413,8 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
         "train", "--data", str(data), "--output", str(tmp_path / "run"), *base,
         "--draft-vocab", "32", "--exit-dim", "24", "--num-steps", "3", "--batch-size", "8",
         "--micro-batch-size", "4", "--epochs", "10", "--learning-rate", "1e-2",
-        "--validation-fraction", "0.2", "--tau-prompts", "3", "--tau-max-tokens", "12",
+        "--validation-fraction", "0.2", "--eval-every", "5", "--tau-prompts", "3",
+        "--tau-max-tokens", "12",
         "--tau-beams", "2x4,1x1", "--export", str(tmp_path / "shipped"),
         "--export-dtype", "float16",
     ]  # fmt: skip
@@ -455,3 +456,20 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
         == 0
     )
     assert "over 2 prompts of" in capsys.readouterr().err
+    # Evaluating it on the distilled data's validation split reproduces the run's
+    # final figures (same split, same drafter), and its start was recorded at step 0.
+    evaluation = [
+        "train", "--evaluate-only", "--init-drafter", str(tmp_path / "run" / "drafter"),
+        "--data", str(data), "--validation-fraction", "0.2", "--num-steps", "3",
+        "--output", str(tmp_path / "eval"), *base,
+    ]  # fmt: skip
+    assert main(evaluation) == 0
+    assert "top-1 accuracy per draft step 1:" in capsys.readouterr().err
+    measured = json.loads((tmp_path / "eval" / "evaluation.json").read_text())["validation"]
+    final = report["validation"][-1]
+    assert measured["accuracy"] == final["accuracy"]
+    assert measured["positions"] == final["positions"] > 0
+    assert measured["loss"] == pytest.approx(final["loss"], rel=1e-5)
+    assert report["validation"][0]["step"] == 0
+    assert main(["train", "--evaluate-only", "--init-drafter", str(tmp_path / "run"), *base]) == 2
+    assert "--tau-file" in capsys.readouterr().err

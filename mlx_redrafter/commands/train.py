@@ -26,6 +26,7 @@ from ..train import (
     measure_tau,
     split_validation,
     train,
+    validate,
     vocab_coverage,
 )
 
@@ -130,7 +131,8 @@ def register(commands: Any) -> None:
     report.add_argument(
         "--evaluate-only",
         action="store_true",
-        help="no training: measure tau of --init-drafter on --tau-file",
+        help="no training: measure --init-drafter's accuracy on the validation split of "
+        "--data and/or its tau on --tau-file",
     )
     report.add_argument("--strict", action="store_true", help="fail on a bad --tau-file line")
     parser.add_argument(
@@ -304,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
             "wall_seconds": round(wall, 1),
             "positions_per_second": round(result.tokens_per_second, 1),
         },
-        "validation": result.validation[-1] if result.validation else None,
+        "validation": result.validation,  # every evaluation, step 0 first
     }
     print(
         f"trained {result.steps}/{result.total_steps} steps in {result.seconds:.0f} s "
@@ -333,18 +335,42 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _evaluate_only(args: argparse.Namespace) -> int:
+    if not args.tau_file and not args.data:
+        raise ValueError(
+            "--evaluate-only needs --tau-file (a JSONL of prompts to decode) and/or --data "
+            "(distilled folders: accuracy on their validation split)"
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoShippedDrafterWarning)
         model, drafter, tokenizer = load(args.model, args.init_drafter)
     if drafter is None:
         raise ValueError("--evaluate-only needs a drafter: pass --init-drafter <folder>")
-    if not args.tau_file:
-        raise ValueError("--evaluate-only needs --tau-file (a JSONL of prompts)")
-    prompts, label = _tau_prompts(args, tokenizer, [])
-    taus = _tau_report(args, model, drafter, tokenizer, prompts, label)
+    result: dict[str, Any] = {}
+    if args.data:
+        records = load_distilled(args.data)
+        metrics = validate(
+            model,
+            drafter,
+            [TrainingSequence(r.tokens, r.prompt_length) for r in records],
+            [r.id for r in records],
+            _config(args),
+            progress=not args.quiet,
+            hidden_cache=args.hidden_cache,
+            hidden_cache_tag=str(args.model or "default"),
+        )
+        result["validation"] = metrics
+        print(
+            f"validation ({metrics['positions']} positions): loss {metrics['loss']:.3f}, "
+            "top-1 accuracy per draft step "
+            + " ".join(f"{i + 1}:{a:.3f}" for i, a in enumerate(metrics["accuracy"])),
+            file=sys.stderr,
+        )
+    if args.tau_file:
+        prompts, label = _tau_prompts(args, tokenizer, [])
+        result["tau"] = _tau_report(args, model, drafter, tokenizer, prompts, label)
     if args.output:
         Path(args.output).mkdir(parents=True, exist_ok=True)
-        (Path(args.output) / "tau.json").write_text(json.dumps(taus, indent=2) + "\n")
+        (Path(args.output) / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
