@@ -544,6 +544,16 @@ def split_validation(ids: Sequence[str], fraction: float, seed: int = 0) -> list
     return held
 
 
+def _split_rows(
+    sequences: Sequence[TrainingSequence], ids: Sequence[str], config: TrainConfig
+) -> tuple[list[int], list[int]]:
+    """Indices of the training and of the held-out sequences that have a position to learn."""
+    held = split_validation(ids, config.validation_fraction, config.seed)
+    usable = [len(sequence.tokens) > 2 for sequence in sequences]
+    train_rows = [i for i, h in enumerate(held) if not h and usable[i]]
+    return train_rows, [i for i, h in enumerate(held) if h and usable[i]]
+
+
 def _schedule(config: TrainConfig, total_steps: int) -> Callable[[mx.array], mx.array]:
     warmup = int(round(config.warmup * total_steps))
     end = config.learning_rate * config.final_lr_fraction
@@ -712,9 +722,7 @@ def train(
             f"batch_size {config.batch_size} must be a multiple of ranks ({world}) x "
             f"micro_batch_size ({config.micro_batch_size})"
         )
-    held = split_validation(ids, config.validation_fraction, config.seed)
-    train_rows = [i for i, h in enumerate(held) if not h and len(sequences[i].tokens) > 2]
-    valid_rows = [i for i, h in enumerate(held) if h and len(sequences[i].tokens) > 2]
+    train_rows, valid_rows = _split_rows(sequences, ids, config)
     num_shards = config.batch_size // config.micro_batch_size
     per_rank = num_shards // world
     shards = [[train_rows[i] for i in s] for s in _shards(len(train_rows), num_shards)]
@@ -778,15 +786,17 @@ def train(
         report.validation = list(state.get("validation", []))
         say(f"resumed from {path} at step {step}")
     mx.eval(drafter.parameters(), optimizer.state)
-    if step == 0 and config.eval_every:
-        # Where the run starts from (chance for a new drafter; --init-drafter's own figure).
+
+    def validate_at(step: int) -> None:
         metrics = evaluate(model, drafter, windows, my_valid, config, vocab_index, draft_ids, group)
-        report.validation.append({**metrics, "step": 0})
+        report.validation.append({**metrics, "step": step})
         say(
-            "step 0: validation loss {:.3f}, accuracy {}".format(
-                metrics["loss"], " ".join(f"{a:.3f}" for a in metrics["accuracy"])
-            )
+            f"step {step}: validation loss {metrics['loss']:.3f}, accuracy "
+            + " ".join(f"{a:.3f}" for a in metrics["accuracy"])
         )
+
+    if step == 0 and config.eval_every:
+        validate_at(0)  # where the run starts (chance, or --init-drafter's own figure)
 
     def loss_fn(
         d: Drafter, batch: DraftBatch, valid: mx.array, soft: SoftTargets | None, scale: mx.array
@@ -860,15 +870,7 @@ def train(
         bar.update(1)
         final = step == total_steps
         if (config.eval_every and step % config.eval_every == 0) or final:
-            metrics = evaluate(
-                model, drafter, windows, my_valid, config, vocab_index, draft_ids, group
-            )
-            metrics["step"] = step
-            report.validation.append(metrics)
-            say(
-                f"step {step}: validation loss {metrics['loss']:.3f}, accuracy "
-                + " ".join(f"{a:.3f}" for a in metrics["accuracy"])
-            )
+            validate_at(step)
         if (
             checkpoint_dir is not None
             and rank == 0
@@ -958,8 +960,7 @@ def validate(
     against a new run's, whatever data each was trained on.
     """
     drafter.check_fits(model)
-    held = split_validation(ids, config.validation_fraction, config.seed)
-    rows = [i for i, h in enumerate(held) if h and len(sequences[i].tokens) > 2]
+    _, rows = _split_rows(sequences, ids, config)
     if not rows:
         raise ValueError(
             f"no sequence is held out at validation fraction {config.validation_fraction}: "

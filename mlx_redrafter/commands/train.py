@@ -316,11 +316,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.validation:
         last = result.validation[-1]
-        print(
-            f"validation (step {last['step']}): loss {last['loss']:.3f}, top-1 accuracy per "
-            "draft step " + " ".join(f"{i + 1}:{a:.3f}" for i, a in enumerate(last["accuracy"])),
-            file=sys.stderr,
-        )
+        print(f"validation (step {last['step']}): {_validation_text(last)}", file=sys.stderr)
     drafter.save(output / "drafter", overwrite=True)
     if args.export:
         _export(drafter, args.export, args.export_dtype)
@@ -332,6 +328,11 @@ def run(args: argparse.Namespace) -> int:
         summary["tau"] = _tau_report(args, model, drafter, tokenizer, prompts, label)
     (output / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def _validation_text(metrics: dict[str, Any]) -> str:
+    accuracy = " ".join(f"{i + 1}:{a:.3f}" for i, a in enumerate(metrics["accuracy"]))
+    return f"loss {metrics['loss']:.3f}, top-1 accuracy per draft step {accuracy}"
 
 
 def _evaluate_only(args: argparse.Namespace) -> int:
@@ -360,9 +361,7 @@ def _evaluate_only(args: argparse.Namespace) -> int:
         )
         result["validation"] = metrics
         print(
-            f"validation ({metrics['positions']} positions): loss {metrics['loss']:.3f}, "
-            "top-1 accuracy per draft step "
-            + " ".join(f"{i + 1}:{a:.3f}" for i, a in enumerate(metrics["accuracy"])),
+            f"validation ({metrics['positions']} positions): {_validation_text(metrics)}",
             file=sys.stderr,
         )
     if args.tau_file:
