@@ -113,20 +113,21 @@ class BeamPolicy:
         for part in text.split(","):
             limit_text, _, shape = part.strip().rpartition(":")
             try:
-                width, length = (int(x) for x in shape.lower().split("x"))
+                beam = BeamConfig.parse(shape)
                 largest = int(limit_text) if limit_text else 1 << 30
             except ValueError:
                 raise ValueError(
-                    f"cannot read beam tier {part!r}: write MAXBATCH:WxL, e.g. '2:4x4,4:2x3'"
+                    f"cannot read beam tier {part!r}: write MAXBATCH:WxL or MAXBATCH:WxL+K, "
+                    "e.g. '2:4x4,4:2x3'"
                 ) from None
-            tiers.append((largest, BeamConfig(width, length)))
+            tiers.append((largest, beam))
         tiers.sort(key=lambda tier: tier[0])
         return cls(tuple(tiers))
 
     def describe(self) -> str:
         if not self.tiers:
             return "plain decoding at every batch size"
-        parts = [f"B<={n}: W={b.beam_width} L={b.beam_length}" for n, b in self.tiers]
+        parts = [f"B<={n}: {b.label}" for n, b in self.tiers]
         return ", ".join(parts) + ", plain beyond"
 
 
@@ -459,7 +460,7 @@ class Batcher:
             self.guard.record(beam, batch_size, seconds, tau)
         self.stats.steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, batch_size)
-        name = f"{beam.beam_width}x{beam.beam_length}"
+        name = beam.label
         self.stats.steps_by_beam[name] = self.stats.steps_by_beam.get(name, 0) + 1
         keep = []
         for position, (row_id, tokens, accepted, length) in enumerate(

@@ -168,7 +168,7 @@ class ChatSession:
             lines.append(
                 f"speed-up: {speedup:.2f}x = tau {last.tokens_per_step:.2f} x plain step "
                 f"{plain * 1e3:.1f} ms / speculative step {speculative * 1e3:.1f} ms "
-                f"(W={self.beam.beam_width} L={self.beam.beam_length}; plain step measured "
+                f"({self.beam.label}; plain step measured "
                 f"once on this conversation, {BASELINE_TOKENS} tokens)"
             )
         return "\n".join(lines)

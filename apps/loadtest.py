@@ -56,10 +56,7 @@ def prompts() -> list[str]:
 
 
 def parse_beam(text: str) -> BeamConfig:
-    if text == "plain":
-        return PLAIN_DECODING
-    width, length = (int(x) for x in text.lower().split("x"))
-    return BeamConfig(width, length)
+    return BeamConfig.parse(text)
 
 
 def load_models(args: argparse.Namespace) -> tuple[Any, Drafter | None, Any]:
@@ -113,7 +110,7 @@ def step_costs(args: argparse.Namespace) -> int:
                 if index >= args.warmup:
                     times[position].append(time.perf_counter() - started)
         for beam, seconds in zip(beams, times):
-            name = "plain" if beam == PLAIN_DECODING else f"{beam.beam_width}x{beam.beam_length}"
+            name = "plain" if beam == PLAIN_DECODING else beam.label
             rows.append(
                 {
                     "batch": batch_size,

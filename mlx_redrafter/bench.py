@@ -5,7 +5,8 @@ machine noise hits all methods alike. Methods:
 
 * `mlx-lm`: `mlx_lm.stream_generate`, plain decoding: the baseline users have today;
 * `plain`: this project's loop without a drafter (W = L = 1);
-* `redrafter WxL`: the speculative loop at each beam configuration;
+* `redrafter WxL`: the speculative loop at each beam configuration
+  (`WxL+G`: with G lookup beams beside the drafter's W; `0xL+G`: lookup beams alone);
 * `redrafter WxL unpacked`: the same, verifying all W*L tokens (no prefix sharing).
 
 Every method is timed the same way, from the stream of responses it yields:
@@ -74,10 +75,10 @@ BASELINE = Method("mlx-lm", None)
 
 def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     methods = [BASELINE, Method("plain", PLAIN_DECODING)]
-    if not has_drafter:
-        return methods
     for beam in config.beams:
-        name = f"redrafter {beam.beam_width}x{beam.beam_length}"
+        if not has_drafter and beam.beam_width > 0:
+            continue  # lookup beams alone (0xL+G) need no drafter
+        name = f"redrafter {beam.label}"
         methods.append(Method(name, beam, True))
         if config.unpacked and beam.beam_length > 1:
             unshared = replace(beam, share_prefixes=False, tree_budget=None)
@@ -237,6 +238,7 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
         "method": method.name,
         "beam_width": method.beam.beam_width if method.beam else 1,
         "beam_length": method.beam.beam_length if method.beam else 1,
+        "lookup_beams": method.beam.lookup_beams if method.beam else 0,
         "share_prefixes": method.beam.share_prefixes if method.beam else True,
         "prompts": len(runs),
         "generated_tokens": sum(len(r.tokens) for r in runs),
@@ -263,7 +265,8 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
             sum(a >= k for a in accepted) / len(accepted) for k in range(1, length)
         ]
         trees = [t for r in runs for t in r.tree_sizes]
-        summary["tree_compression"] = statistics.fmean(trees) / (method.beam.beam_width * length)
+        unpacked_size = method.beam.num_beams * length
+        summary["tree_compression"] = statistics.fmean(trees) / unpacked_size
         summary["accepted_histogram"] = [accepted.count(k) for k in range(length)]
     return summary
 

@@ -21,7 +21,11 @@ def _pyplot() -> Any:
 
 
 def _speculative(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [s for s in summary if s["beam_length"] > 1 and s["share_prefixes"]]
+    return [
+        s
+        for s in summary
+        if s["beam_length"] > 1 and s["share_prefixes"] and not s.get("lookup_beams")
+    ]
 
 
 def speedup_heatmap(result: dict[str, Any], path: Path) -> Path:

@@ -10,24 +10,37 @@ from dataclasses import dataclass, field
 class BeamConfig:
     """The drafter's beam search and the tree the target verifies.
 
-    beam_width: W, candidate continuations per step.
+    beam_width: W, the drafter's candidate continuations per step.
     beam_length: L, tokens per beam; the first is the target's own token, so each
         beam holds L - 1 drafted tokens and a step emits at most L tokens.
     share_prefixes: pack the beams into a prefix tree so every distinct prefix is
-        verified once (False verifies all W*L tokens, as the reference MLX port does).
+        verified once (False verifies every beam token, as the reference MLX port does).
     tree_budget: the number of packed tokens N the target verifies per step
-        (a static shape). None means every distinct prefix fits: 1 + W*(L-1) with
-        sharing, W*L without. A smaller budget drops the lowest-ranked beams' tails.
+        (a static shape). None means every distinct prefix fits: 1 + (W+G)*(L-1) with
+        sharing, (W+G)*L without. A smaller budget drops the lowest-ranked beams' tails.
+    lookup_beams: G more beams of L tokens copied from each row's own text (prompt
+        and output so far): what followed the most recent earlier occurrences of its
+        newest n-gram (`lookup.lookup_beams`). They join the drafter's W beams in
+        the tree; 0 drafts with the drafter alone. W may be 0 when G >= 1.
+    lookup_ngram: the longest n-gram the lookup matches (it falls back to shorter).
     """
 
     beam_width: int = 4
     beam_length: int = 4
     share_prefixes: bool = True
     tree_budget: int | None = None
+    lookup_beams: int = 0
+    lookup_ngram: int = 3
 
     def __post_init__(self) -> None:
-        if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        for name in ("beam_width", "lookup_beams"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.beam_width + self.lookup_beams < 1:
+            raise ValueError("a beam config needs beam_width >= 1 or lookup_beams >= 1")
+        if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 1:
+            raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
         if not isinstance(self.beam_length, int) or self.beam_length < 1:
             raise ValueError(f"beam_length must be an integer >= 1, got {self.beam_length!r}")
         if self.tree_budget is not None and not (
@@ -40,16 +53,43 @@ class BeamConfig:
             )
 
     @property
+    def num_beams(self) -> int:
+        """W + G: the beams of a step's tree, the drafter's first."""
+        return self.beam_width + self.lookup_beams
+
+    @property
     def max_tree_size(self) -> int:
         """Most packed tokens a tree of these beams can need."""
         if self.share_prefixes:
-            return 1 + self.beam_width * (self.beam_length - 1)
-        return self.beam_width * self.beam_length
+            return 1 + self.num_beams * (self.beam_length - 1)
+        return self.num_beams * self.beam_length
 
     @property
     def num_packed(self) -> int:
         """N: packed tokens verified per step (static for this config)."""
         return self.tree_budget if self.tree_budget is not None else self.max_tree_size
+
+    @property
+    def label(self) -> str:
+        """'WxL', or 'WxL+G' with G lookup beams (what `parse` reads)."""
+        shape = f"{self.beam_width}x{self.beam_length}"
+        return f"{shape}+{self.lookup_beams}" if self.lookup_beams else shape
+
+    @classmethod
+    def parse(cls, text: str) -> BeamConfig:
+        """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup beam; 'plain' -> 1x1."""
+        item = text.strip().lower()
+        if item == "plain":
+            return PLAIN_DECODING
+        shape, plus, lookup = item.partition("+")
+        width, sep, length = shape.partition("x")
+        numbers = [width, length, lookup] if plus else [width, length]
+        if not sep or not all(number.isdigit() for number in numbers):
+            raise ValueError(
+                f"{text!r} is not a beam shape: write WxL (drafter beams x beam length, "
+                "e.g. 2x2) or WxL+G (G more beams looked up in the text, e.g. 1x3+1)"
+            )
+        return cls(int(width), int(length), lookup_beams=int(lookup or 0))
 
 
 PLAIN_DECODING = BeamConfig(beam_width=1, beam_length=1)

@@ -23,6 +23,7 @@ from .beam_search import beam_search
 from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
+from .lookup import lookup_beams
 from .sampling import choose_tokens, choose_tokens_quickly, position_keys
 from .target import TargetCache, context_length, target_forward, target_hidden
 from .tree import PackedTree, chain_tree
@@ -41,6 +42,8 @@ class DecodeState:
     sampling: each row's sampling rules.
     keys: (B, 2) each row's PRNG key; the token at position p is sampled with noise
         keyed by (key, p) (`sampling.position_keys`), so it never depends on the steps.
+    history: (B, capacity) each row's tokens so far, prompt and output: the committed
+        ones at [0, lengths[b]), the root at lengths[b] (what lookup beams search).
     """
 
     cache: TargetCache
@@ -49,6 +52,7 @@ class DecodeState:
     row_ids: list[int]
     sampling: list[SamplingConfig]
     keys: mx.array
+    history: mx.array
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows at the given positions."""
@@ -59,6 +63,7 @@ class DecodeState:
         self.row_ids = [self.row_ids[r] for r in rows]
         self.sampling = [self.sampling[r] for r in rows]
         self.keys = self.keys[index]
+        self.history = self.history[index]
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
@@ -68,6 +73,20 @@ class DecodeState:
         self.row_ids = self.row_ids + other.row_ids
         self.sampling = self.sampling + other.sampling
         self.keys = mx.concatenate([self.keys, other.keys])
+        capacity = max(self.history.shape[1], other.history.shape[1])
+        self.history = mx.concatenate(
+            [_widen(self.history, capacity), _widen(other.history, capacity)]
+        )
+
+    def record(self, tokens: mx.array) -> None:
+        """Append a step's emitted tokens (B, L) to the history, after each row's root
+        (call before the cache commits; entries past a row's emitted count are stale)."""
+        needed = self.cache.frontier + 1 + tokens.shape[1]
+        if needed > self.history.shape[1]:
+            self.history = _widen(self.history, _round_up(needed))
+        steps = mx.arange(tokens.shape[1], dtype=mx.int32)
+        slots = self.cache.lengths[:, None] + 1 + steps[None, :]  # (B, L)
+        self.history = mx.put_along_axis(self.history, slots, tokens, axis=1)
 
     def node_keys(self, positions: mx.array) -> mx.array | None:
         """(B, N, 2) PRNG keys of the nodes at `positions` (B, N); None if all greedy."""
@@ -119,11 +138,30 @@ def prefill(
         cache.commit([list(range(width))] * batch_size, counts)
         mx.eval(hidden, cache.arrays())
     root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
+    capacity = _round_up(longest + 2)
+    history = mx.array(
+        [list(prompt) + [0] * (capacity - len(prompt)) for prompt in prompts], dtype=mx.int32
+    )  # (B, capacity)
     rules = [sampling] * batch_size if isinstance(sampling, SamplingConfig) else list(sampling)
     if len(rules) != batch_size:
         raise ValueError(f"{len(rules)} sampling configs for {batch_size} prompts")
     ids = list(range(batch_size)) if row_ids is None else list(row_ids)
-    return DecodeState(cache, root_tokens, hidden, ids, rules, row_keys(keys, rules))
+    return DecodeState(cache, root_tokens, hidden, ids, rules, row_keys(keys, rules), history)
+
+
+HISTORY_STEP = 256
+
+
+def _round_up(size: int) -> int:
+    return (size + HISTORY_STEP - 1) // HISTORY_STEP * HISTORY_STEP
+
+
+def _widen(history: mx.array, capacity: int) -> mx.array:
+    """history (B, T) zero-padded to (B, capacity)."""
+    extra = capacity - history.shape[1]
+    if extra <= 0:
+        return history
+    return mx.concatenate([history, mx.zeros((history.shape[0], extra), dtype=history.dtype)], 1)
 
 
 def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array:
@@ -144,13 +182,17 @@ def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array
 class StepFunctions:
     """The per-step device functions for one (drafter, beam config), built once.
 
-    draft: (hidden (B, D), root_tokens (B,)) -> beams (B, W, L)
-    pack: beams (B, W, L) -> PackedTree with N = beam.num_packed
+    draft: (hidden (B, D), root_tokens (B,)) -> the drafter's beams (B, W, L)
+        (one beam of the root repeated when there are none)
+    lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, L), the
+        drafter's beams then G lookup beams; None without lookup beams
+    pack: beams (B, W + G, L) -> PackedTree with N = beam.num_packed
     accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
     kernels: which implementation expands, packs and accepts ("mlx", "metal", ...)
     """
 
     draft: Callable[[mx.array, mx.array], mx.array]
+    lookup: Callable[[mx.array, mx.array, mx.array], mx.array] | None
     pack: Callable[[mx.array], PackedTree]
     accept: Callable[[mx.array, mx.array, mx.array, mx.array], Acceptance]
     kernels: str = "mlx"
@@ -171,7 +213,8 @@ def step_functions(
 ) -> StepFunctions:
     """Build the draft, pack and accept functions of a decoding session.
 
-    Without a drafter (or with L = 1) the tree is the root token alone: plain decoding.
+    Without a drafter and lookup beams (or with L = 1) the tree is the root token
+    alone: plain decoding.
     compiled: wrap them in mx.compile (None: `compile_by_default()`).
     kernels: "metal", "mlx" or "auto" (None: $MLX_REDRAFTER_KERNELS, default "auto":
         the fused Metal kernels when Metal is available), or a `Kernels` value.
@@ -179,15 +222,23 @@ def step_functions(
     compiled = compile_by_default() if compiled is None else compiled
     ops = select_kernels(kernels)
     embed = model.model.embed_tokens
-    if drafter is None or beam.beam_length == 1:
-
-        def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
-            return root_tokens[:, None, None]  # (B, 1, 1)
-
+    beam_length = beam.beam_length
+    with_drafter = drafter is not None and beam.beam_width > 0 and beam_length > 1
+    # Lookup beams beside the drafter's, or alone when asked for (W = 0); a beam with
+    # drafter beams but no drafter is plain decoding, as in `speculative_decode`.
+    alone = beam.beam_width == 0 and beam_length > 1
+    num_lookup = beam.lookup_beams if with_drafter or alone else 0
+    draft: Callable[[mx.array, mx.array], mx.array]
+    if drafter is None or not with_drafter:
+        # No drafter beams: the root alone (plain decoding), or with lookup beams the
+        # root repeated, their fallback.
+        draft = _repeat_root(beam_length if num_lookup else 1)
         num_packed, share_prefixes = 1, True
+        if num_lookup:
+            num_packed, share_prefixes = beam.num_packed, beam.share_prefixes
     else:
 
-        def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+        def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
             return beam_search(
                 drafter,
                 embed,
@@ -198,16 +249,37 @@ def step_functions(
                 expand=ops.expand,
             )
 
+        draft = search
         num_packed, share_prefixes = beam.num_packed, beam.share_prefixes
         if compiled:
-            draft = mx.compile(draft, inputs=[drafter.state, embed.state])
+            draft = mx.compile(search, inputs=[drafter.state, embed.state])
 
     def pack(beams: mx.array) -> PackedTree:
         return ops.pack(beams, num_packed, share_prefixes)
 
+    lookup = None
+    if num_lookup:
+
+        def lookup(beams: mx.array, history: mx.array, lengths: mx.array) -> mx.array:
+            found = lookup_beams(
+                history, lengths, num_lookup, beam_length, beam.lookup_ngram, beams[:, 0]
+            )  # (B, G, L)
+            return mx.concatenate([beams, found], axis=1) if with_drafter else found
+
     if compiled:
-        return StepFunctions(draft, mx.compile(pack), mx.compile(ops.accept), ops.backend)
-    return StepFunctions(draft, pack, ops.accept, ops.backend)
+        pack, accept = mx.compile(pack), mx.compile(ops.accept)
+        return StepFunctions(draft, lookup, pack, accept, ops.backend)
+    return StepFunctions(draft, lookup, pack, ops.accept, ops.backend)
+
+
+def _repeat_root(beam_length: int) -> Callable[[mx.array, mx.array], mx.array]:
+    """A draft without the drafter: the root repeated, (B, 1, L)."""
+
+    def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+        shape = (root_tokens.shape[0], 1, beam_length)
+        return mx.broadcast_to(root_tokens[:, None, None], shape)
+
+    return draft
 
 
 class PhaseClock:
@@ -242,6 +314,9 @@ def decode_step(
     `clock` is given)."""
     # Draft: W beams of L tokens, each opened by the row's root token.
     beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
+    if steps.lookup is not None:
+        # Draft (context lookup): G more beams from each row's own text.
+        beams = steps.lookup(beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)
     if clock:
         clock.mark("draft", beams)
     # Pack tree: each distinct prefix once, N static for this beam config.
@@ -267,6 +342,7 @@ def decode_step(
         result = accept(choose_tokens(logits, state.sampling, keys))
         mx.eval(state.hidden, result)
     state.root_tokens = result.bonus_tokens
+    state.record(result.tokens)
     num_accepted = host_list(result.num_accepted)
     tokens = [row[: n + 1] for row, n in zip(host_rows(result.tokens), num_accepted)]
     # Commit cache: keep the root and the accepted nodes' K/V (moved, if they must
@@ -371,8 +447,8 @@ def speculative_decode(
     stopped_rows = stopped_rows if stopped_rows is not None else set()
     if stop.max_tokens == 0 or not prompts:
         return
-    if drafter is None:
-        beam = PLAIN_DECODING
+    if drafter is None and beam.beam_width > 0:
+        beam = PLAIN_DECODING  # no drafter: plain decoding, unless lookup beams alone (W = 0)
     steps = step_functions(model, drafter, beam, compiled, kernels)
     limit = context_length(model)
     started = time.perf_counter()

@@ -107,10 +107,11 @@ def _settings(
     top_k: int,
     beam_width: int,
     beam_length: int,
+    lookup_beams: int,
     stop: Sequence[str] | str | None,
     drafter: Drafter | None,
 ) -> tuple[BeamConfig, SamplingConfig, StopConfig]:
-    beam = BeamConfig(beam_width=beam_width, beam_length=beam_length)
+    beam = BeamConfig(beam_width=beam_width, beam_length=beam_length, lookup_beams=lookup_beams)
     if drafter is not None and beam.beam_width > drafter.config.output_size:
         raise ValueError(
             f"beam_width {beam.beam_width} exceeds the drafter's vocabulary of "
@@ -165,6 +166,7 @@ def stream_batch(
     top_k: int = 0,
     beam_width: int = DEFAULT_BEAM.beam_width,
     beam_length: int = DEFAULT_BEAM.beam_length,
+    lookup_beams: int = DEFAULT_BEAM.lookup_beams,
     seed: int | None = None,
     stop: Sequence[str] | str | None = None,
     beam: BeamConfig | None = None,
@@ -172,11 +174,20 @@ def stream_batch(
 ) -> Iterator[tuple[int, GenerationResponse]]:
     """Decode several prompts together; yields (prompt index, response) per row and step.
 
-    `beam` (a BeamConfig) overrides beam_width/beam_length when given.
+    `beam` (a BeamConfig) overrides beam_width/beam_length/lookup_beams when given.
     """
     encoded = [_encode(tokenizer, prompt) for prompt in prompts]
     beam_config, sampling, stop_config = _settings(
-        tokenizer, max_tokens, temperature, top_p, top_k, beam_width, beam_length, stop, drafter
+        tokenizer,
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        beam_width,
+        beam_length,
+        lookup_beams,
+        stop,
+        drafter,
     )
     beam_config = beam or beam_config
     prepare_target(model)
@@ -242,6 +253,7 @@ class GenerationOptions(TypedDict, total=False):
     top_k: int
     beam_width: int
     beam_length: int
+    lookup_beams: int
     seed: int | None
     stop: Sequence[str] | str | None
     beam: BeamConfig | None

@@ -26,7 +26,7 @@ def result(trained_llama):
     model, drafter, prompts = trained_llama
     config = BenchConfig(
         max_tokens=24,
-        beams=(BeamConfig(3, 3), BeamConfig(2, 4)),
+        beams=(BeamConfig(3, 3), BeamConfig(2, 4), BeamConfig(1, 3, lookup_beams=1)),
         warmup_tokens=4,
         profile_prompts=2,
         batch_sizes=(1, 2),
@@ -46,6 +46,8 @@ def test_every_method_runs_on_every_prompt(result):
         "redrafter 3x3 unpacked",
         "redrafter 2x4",
         "redrafter 2x4 unpacked",
+        "redrafter 1x3+1",
+        "redrafter 1x3+1 unpacked",
     ]
     assert len(result["runs"]) == 3 * len(names)
 
@@ -69,6 +71,9 @@ def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
     assert set(split) == {"draft", "verify", "other"}
     assert sum(split.values()) == pytest.approx(1.0)
     assert sum(packed["accepted_histogram"]) > 0
+    lookup = by_name["redrafter 1x3+1"]
+    assert lookup["lookup_beams"] == 1 and lookup["tau"] > 1.3
+    assert 0 < lookup["tree_compression"] <= 5 / 6
 
 
 def test_tau_is_reported_per_category(result):
@@ -133,6 +138,10 @@ def test_argument_parsing_and_prompt_files(tmp_path):
         parse_beams("4by4")
     with pytest.raises(ValueError):
         parse_beams("0x4")
+    assert parse_beams("1x3+1,0x4+2") == (
+        BeamConfig(1, 3, lookup_beams=1),
+        BeamConfig(0, 4, lookup_beams=2),
+    )
     assert parse_sizes("1,2,4") == (1, 2, 4)
     file = tmp_path / "p.jsonl"
     file.write_text(

@@ -133,6 +133,16 @@ def test_speculative_sampling_matches_the_target_distribution(small_vocab_target
     assert not impossible & set(counts)
 
 
+def test_lookup_beams_sample_the_target_distribution(small_vocab_target):
+    model, drafter = small_vocab_target
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(model, sampling)
+    beam = BeamConfig(1, 3, lookup_beams=1)
+    counts, accepted = sample_sequences(model, drafter, sampling, beam, seed=5)
+    assert accepted > SAMPLES // 2
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+
+
 def test_unshared_tree_sampling_is_exact(small_vocab_target):
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
@@ -261,6 +271,8 @@ def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_tar
         BeamConfig(2, 5),
         BeamConfig(4, 4, share_prefixes=False),
         BeamConfig(4, 4, tree_budget=6),
+        BeamConfig(1, 3, lookup_beams=1),
+        BeamConfig(2, 4, lookup_beams=2),
     ):
         speculative, events = decode_tokens(
             model, drafter, prompts, beam, 16, sampling=rule, key=keys

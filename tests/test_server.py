@@ -454,4 +454,4 @@ def test_the_serve_command(trained_llama: Any, tmp_path: Any) -> None:
         process.terminate()
         _, errors = process.communicate(timeout=20)
     assert f"on http://127.0.0.1:{port}/" in errors
-    assert "B<=2: W=3 L=3" in errors
+    assert "B<=2: 3x3" in errors

@@ -22,15 +22,11 @@ from .common import load_from_args
 
 
 def parse_beams(text: str) -> tuple[BeamConfig, ...]:
-    """'4x4,2x5' -> (BeamConfig(4, 4), BeamConfig(2, 5))."""
-    beams = []
-    for item in text.split(","):
-        try:
-            width, length = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"--beams takes WxL items like 4x4,2x5; got {item!r}") from None
-        beams.append(BeamConfig(width, length))
-    return tuple(beams)
+    """'4x4,1x3+1' -> (BeamConfig(4, 4), BeamConfig(1, 3, lookup_beams=1))."""
+    try:
+        return tuple(BeamConfig.parse(item) for item in text.split(","))
+    except ValueError as error:
+        raise ValueError(f"--beams: {error}") from None
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -69,8 +65,8 @@ def register(commands: Any) -> None:
         "--beams",
         type=parse_beams,
         default=(DEFAULT_BEAM,),
-        help=f"beam configurations WxL, comma-separated (default "
-        f"{DEFAULT_BEAM.beam_width}x{DEFAULT_BEAM.beam_length}, the default of generation)",
+        help=f"beam configurations WxL or WxL+G (G lookup beams), comma-separated (default "
+        f"{DEFAULT_BEAM.label}, the default of generation)",
     )
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-p", type=float, default=1.0)

@@ -30,6 +30,12 @@ def register(commands: Any) -> None:
     chat.add_argument("--top-k", type=int, default=0)
     chat.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
     chat.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
+    chat.add_argument(
+        "--lookup-beams",
+        type=int,
+        default=DEFAULT_BEAM.lookup_beams,
+        help="beams copied from the text so far, beside the drafter's (0: drafter only)",
+    )
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument(
         "--show-drafts",
@@ -43,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
 
     model, drafter, tokenizer = load_from_args(args)
-    beam = BeamConfig(args.beam_width, args.beam_length)
+    beam = BeamConfig(args.beam_width, args.beam_length, lookup_beams=args.lookup_beams)
     session = ChatSession(
         model,
         drafter,

@@ -34,6 +34,12 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
     parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
+    parser.add_argument(
+        "--lookup-beams",
+        type=int,
+        default=DEFAULT_BEAM.lookup_beams,
+        help="beams copied from the text so far, beside the drafter's (0: drafter only)",
+    )
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
@@ -69,7 +75,7 @@ def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | li
 def run(args: argparse.Namespace) -> int:
     model, drafter, tokenizer = load_from_args(args)
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
-    beam = BeamConfig(args.beam_width, args.beam_length)
+    beam = BeamConfig(args.beam_width, args.beam_length, lookup_beams=args.lookup_beams)
     started = time.perf_counter()
     last = None
     for response in stream_generate(
@@ -92,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         mode = (
             "plain decoding"
             if drafter is None
-            else f"ReDrafter W={beam.beam_width} L={beam.beam_length}"
+            else f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
         )
         print(
             f"==========\n{mode}\n{format_summary(last, time.perf_counter() - started)}",

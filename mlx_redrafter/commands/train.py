@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..config import BeamConfig
 from ..distill import load_distilled
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load, load_drafter
@@ -32,13 +33,13 @@ from ..train import (
 
 
 def _beams(text: str) -> list[tuple[int, int]]:
-    beams = []
-    for item in text.split(","):
-        width, sep, length = item.strip().lower().partition("x")
-        if not sep or not width.isdigit() or not length.isdigit():
-            raise ValueError(f"--tau-beams: {item!r} is not WxL (e.g. 4x4,2x5)")
-        beams.append((int(width), int(length)))
-    return beams
+    try:
+        beams = [BeamConfig.parse(item) for item in text.split(",")]
+    except ValueError as error:
+        raise ValueError(f"--tau-beams: {error}") from None
+    if any(beam.lookup_beams for beam in beams):
+        raise ValueError("--tau-beams measures the drafter alone: give WxL shapes (no +G)")
+    return [(beam.beam_width, beam.beam_length) for beam in beams]
 
 
 def register(commands: Any) -> None:

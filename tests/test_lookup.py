@@ -1,0 +1,161 @@
+"""Lookup beams: continuations copied from each row's own text join the drafter's beams."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import decode_tokens, mlx_lm_greedy, random_prompts
+from tiny_models import FAMILY_CONFIGS, tiny_model
+
+from mlx_redrafter.config import BeamConfig, CacheConfig
+from mlx_redrafter.decode import decode_step, prefill, step_functions
+from mlx_redrafter.lookup import lookup_beams
+from mlx_redrafter.target import prepare_target
+
+
+def lookup(rows, num_beams, beam_length, max_ngram, fallback_token=-7):
+    """lookup_beams on plain lists (each row: its tokens, the root last)."""
+    capacity = max(len(row) for row in rows) + 3
+    context = mx.array([row + [0] * (capacity - len(row)) for row in rows])
+    lengths = mx.array([len(row) for row in rows])
+    fallback = mx.full((len(rows), beam_length), fallback_token)
+    beams = lookup_beams(context, lengths, num_beams, beam_length, max_ngram, fallback)
+    return np.array(beams).tolist()
+
+
+def test_worked_examples():
+    # docs/algorithm.md and the module docstring
+    assert lookup([[7, 3, 9, 4, 7, 3]], 1, 3, 2) == [[[3, 9, 4]]]
+    assert lookup([[5, 8, 8]], 1, 3, 2) == [[[8, 8, 8]]]  # repeats with period 1
+    # A longer match beats a more recent shorter one; then the most recent.
+    assert lookup([[1, 2, 5, 6, 2, 7, 1, 2]], 2, 3, 3) == [[[2, 5, 6], [2, 7, 1]]]
+    # No match (and a one-token context): the fallback beam.
+    assert lookup([[1, 2, 3], [4]], 1, 3, 3) == [[[-7, -7, -7]], [[-7, -7, -7]]]
+
+
+def reference(row, num_beams, beam_length, max_ngram):
+    """The K best (longest n-gram, then most recent) match ends p < root, in plain Python."""
+    root = len(row) - 1
+    scored = []
+    for p in range(root):
+        best = 0
+        for n in range(1, max_ngram + 1):
+            if p - n + 1 < 0 or root - n + 1 < 0 or row[p - n + 1 : p + 1] != row[root - n + 1 :]:
+                break
+            best = n
+        if best:
+            scored.append((best, p))
+    beams = []
+    for _, p in sorted(scored, reverse=True)[:num_beams]:
+        period = root - p
+        beams.append([row[root]] + [row[p + 1 + k % period] for k in range(beam_length - 1)])
+    return beams + [[-7] * beam_length] * (num_beams - len(beams))
+
+
+def test_agrees_with_a_plain_python_search_on_random_text():
+    rng = random.Random(0)
+    for _ in range(60):
+        rows = [[rng.randrange(4) for _ in range(rng.randint(1, 24))] for _ in range(4)]
+        expected = [reference(row, 2, 4, 3) for row in rows]
+        assert lookup(rows, 2, 4, 3) == expected, rows
+
+
+def repetitive_prompts(count, seed):
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        motif = [rng.randrange(64) for _ in range(rng.randint(2, 4))]
+        prompts.append(motif * rng.randint(2, 4) + [rng.randrange(64)])
+    return prompts
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_lookup_beams_decode_exactly_like_mlx_lm(family):
+    model = tiny_model(family)
+    prompts = repetitive_prompts(2, seed=1) + random_prompts(1, seed=2)
+    references = [mlx_lm_greedy(model, p, 32) for p in prompts]
+    prepare_target(model)
+    from mlx_redrafter.drafter import Drafter
+
+    mx.random.seed(0)
+    drafter = Drafter.create(model)
+    with_drafter, _ = decode_tokens(model, drafter, prompts, BeamConfig(1, 3, lookup_beams=1), 32)
+    alone, events = decode_tokens(model, None, prompts, BeamConfig(0, 4, lookup_beams=2), 32)
+    assert with_drafter == references
+    assert alone == references
+    # Random tiny models fall into loops, which the lookup drafts: steps emit several tokens.
+    produced = sum(len(output) for output in alone)
+    assert produced / len(events) > 1.3
+
+
+def test_batch_rows_keep_their_own_history(trained_llama):
+    model, drafter, trained_prompts = trained_llama
+    prompts = repetitive_prompts(3, seed=4) + trained_prompts[:3] + [[5]]
+    beam = BeamConfig(2, 3, lookup_beams=1)
+    batched, _ = decode_tokens(model, drafter, prompts, beam, 30)
+    for prompt, output in zip(prompts, batched):
+        assert output == mlx_lm_greedy(model, prompt, 30)
+    # The history a step searches is exactly prompt + output so far, root last.
+    state = prefill(model, prompts[:3], CacheConfig())
+    steps = step_functions(model, drafter, beam, compiled=False)
+    emitted: list[list[int]] = [[] for _ in range(3)]
+    for _ in range(4):
+        for row, tokens in enumerate(decode_step(model, steps, state).tokens):
+            emitted[row] += tokens
+    state.select_rows([2, 0])
+    for position, row in enumerate([2, 0]):
+        text = prompts[row] + emitted[row]
+        length = state.cache.host_lengths[position] + 1
+        assert length == len(text)
+        assert np.array(state.history[position, :length]).tolist() == text
+
+
+def test_lookup_beams_in_a_running_batch(trained_llama):
+    model, drafter, trained_prompts = trained_llama
+    beam = BeamConfig(1, 4, lookup_beams=1)
+    steps = step_functions(model, drafter, beam)
+    first, later = repetitive_prompts(2, seed=6), trained_prompts[:2]
+    state = prefill(model, first, CacheConfig(), row_ids=[0, 1])
+    outputs: dict[int, list[int]] = {0: [], 1: [], 2: [], 3: []}
+    for step in range(12):
+        if step == 3:  # longer histories than the joining rows' prompts
+            state.extend(prefill(model, later, CacheConfig(), row_ids=[2, 3]))
+        output = decode_step(model, steps, state)
+        for row, tokens in zip(state.row_ids, output.tokens):
+            outputs[row] += tokens
+    for row, prompt in enumerate(first + later):
+        expected = mlx_lm_greedy(model, prompt, len(outputs[row]))
+        assert outputs[row] == expected
+
+
+def test_beam_shapes_parse_and_label():
+    assert BeamConfig.parse("1x3+1") == BeamConfig(1, 3, lookup_beams=1)
+    assert BeamConfig.parse(" 2X2 ") == BeamConfig(2, 2)
+    assert BeamConfig.parse("plain") == BeamConfig(1, 1)
+    assert BeamConfig(0, 4, lookup_beams=2).label == "0x4+2"
+    assert BeamConfig(2, 3).label == "2x3"
+    assert BeamConfig(1, 3, lookup_beams=1).num_packed == 1 + 2 * 2
+    assert BeamConfig(1, 3, lookup_beams=1, share_prefixes=False).num_packed == 2 * 3
+    for bad in ("4by4", "2x", "1x3+", "1x3+a", "x3"):
+        with pytest.raises(ValueError, match="is not a beam shape"):
+            BeamConfig.parse(bad)
+    with pytest.raises(ValueError, match="beam_width >= 1 or lookup_beams >= 1"):
+        BeamConfig.parse("0x4")
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        BeamConfig(1, 3, lookup_beams=1, lookup_ngram=0)
+
+
+def test_without_a_drafter_only_lookup_alone_speculates(trained_llama):
+    """drafter=None decodes plainly, as documented, unless the beam asks for lookup
+    beams alone (W = 0)."""
+    model, _, _ = trained_llama
+    prompts = repetitive_prompts(2, seed=8)
+    plain, plain_events = decode_tokens(model, None, prompts, BeamConfig(1, 3, lookup_beams=1), 24)
+    assert all(n == 0 for event in plain_events for n in event.num_accepted)
+    assert all(size == 1 for event in plain_events for size in event.tree_sizes)
+    alone, events = decode_tokens(model, None, prompts, BeamConfig(0, 3, lookup_beams=1), 24)
+    assert alone == plain
+    assert len(events) < len(plain_events)
