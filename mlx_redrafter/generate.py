@@ -24,11 +24,10 @@ from .target import context_length, prepare_target
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-# The default tree for the shipped SmolLM2 drafter as it is now (tau ~1.4-1.5 on MT-Bench):
-# the fastest shape in the benchmark's W x L sweep and headline run on this machine
-# (docs/training.md, "How τ moves with W and L"). Revisit with a better-trained
-# drafter, where larger trees pay.
-DEFAULT_BEAM = BeamConfig(beam_width=2, beam_length=2)
+# The default tree: one drafter beam and one lookup beam of 3 tokens (N = 5). On the
+# headline run (README, "Performance"; session 8) it reached tau 1.99 and 1.45x mlx-lm
+# with the shipped SmolLM2 drafter, against 1.17x for the drafter alone at 2x2.
+DEFAULT_BEAM = BeamConfig(beam_width=1, beam_length=3, lookup_beams=1)
 
 Prompt = str | Sequence[int]
 
