@@ -112,7 +112,7 @@ def test_sampling_through_the_api_is_seeded(setup):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": -1}, "beam_width"),
         ({"beam_length": 0}, "beam_length"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
