@@ -117,7 +117,7 @@ class BeamPolicy:
                 largest = int(limit_text) if limit_text else 1 << 30
             except ValueError:
                 raise ValueError(
-                    f"cannot read beam tier {part!r}: write MAXBATCH:WxL or MAXBATCH:WxL+K, "
+                    f"cannot read beam tier {part!r}: write MAXBATCH:WxL or MAXBATCH:WxL+G, "
                     "e.g. '2:4x4,4:2x3'"
                 ) from None
             tiers.append((largest, beam))

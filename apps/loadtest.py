@@ -55,10 +55,6 @@ def prompts() -> list[str]:
     return FALLBACK_PROMPTS
 
 
-def parse_beam(text: str) -> BeamConfig:
-    return BeamConfig.parse(text)
-
-
 def load_models(args: argparse.Namespace) -> tuple[Any, Drafter | None, Any]:
     import warnings
 
@@ -88,7 +84,7 @@ def step_costs(args: argparse.Namespace) -> int:
         drafter = Drafter.create(model, exit_dim=hidden, draft_vocab_size=2048)
     texts = prompts()
     batches = [int(b) for b in args.batch.split(",")]
-    beams = [parse_beam(b) for b in args.beams.split(",")]
+    beams = [BeamConfig.parse(b) for b in args.beams.split(",")]
     rows: list[dict[str, Any]] = []
     for batch_size in batches:
         encoded = [

@@ -233,9 +233,6 @@ def step_functions(
         # No drafter beams: the root alone (plain decoding), or with lookup beams the
         # root repeated, their fallback.
         draft = _repeat_root(beam_length if num_lookup else 1)
-        num_packed, share_prefixes = 1, True
-        if num_lookup:
-            num_packed, share_prefixes = beam.num_packed, beam.share_prefixes
     else:
 
         def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
@@ -250,9 +247,11 @@ def step_functions(
             )
 
         draft = search
-        num_packed, share_prefixes = beam.num_packed, beam.share_prefixes
         if compiled:
             draft = mx.compile(search, inputs=[drafter.state, embed.state])
+    speculates = with_drafter or num_lookup > 0
+    num_packed = beam.num_packed if speculates else 1
+    share_prefixes = beam.share_prefixes or not speculates
 
     def pack(beams: mx.array) -> PackedTree:
         return ops.pack(beams, num_packed, share_prefixes)

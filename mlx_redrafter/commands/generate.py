@@ -95,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
         last = response
     print()
     if last is not None:
+        plain = drafter is None and beam.beam_width > 0  # as speculative_decode decides
         mode = (
             "plain decoding"
-            if drafter is None
+            if plain
             else f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
         )
         print(
