@@ -117,8 +117,8 @@ class BeamPolicy:
                 largest = int(limit_text) if limit_text else 1 << 30
             except ValueError:
                 raise ValueError(
-                    f"cannot read beam tier {part!r}: write MAXBATCH:WxL or MAXBATCH:WxL+G, "
-                    "e.g. '2:4x4,4:2x3'"
+                    f"cannot read beam tier {part!r}: write MAXBATCH:WxL, MAXBATCH:WxL+G or "
+                    "MAXBATCH:WxL+GxLl, e.g. '2:4x4,4:2x3'"
                 ) from None
             tiers.append((largest, beam))
         tiers.sort(key=lambda tier: tier[0])
@@ -304,7 +304,7 @@ class Batcher:
         self.max_batch = max_batch
         self.context_limit = context_length(model)
         # The context check looks one step ahead with the longest beam any tier may use.
-        self.longest_beam = max((beam.beam_length for _, beam in self.policy.tiers), default=1)
+        self.longest_beam = max((beam.longest_beam for _, beam in self.policy.tiers), default=1)
         self.eos_ids = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
         self.vocab_size = int(model.model.embed_tokens.weight.shape[0])
         self.stats = BatcherStats()

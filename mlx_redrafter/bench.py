@@ -6,7 +6,8 @@ machine noise hits all methods alike. Methods:
 * `mlx-lm`: `mlx_lm.stream_generate`, plain decoding: the baseline users have today;
 * `plain`: this project's loop without a drafter (W = L = 1);
 * `redrafter WxL`: the speculative loop at each beam configuration
-  (`WxL+G`: with G lookup beams beside the drafter's W; `0xL+G`: lookup beams alone);
+  (`WxL+G`: with G lookup beams beside the drafter's W; `WxL+GxLl`: lookup beams of
+  Ll tokens; `0xL+G`: lookup beams alone);
 * `redrafter WxL unpacked`: the same, verifying all W*L tokens (no prefix sharing).
 
 Every method is timed the same way, from the stream of responses it yields:
@@ -239,6 +240,7 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
         "beam_width": method.beam.beam_width if method.beam else 1,
         "beam_length": method.beam.beam_length if method.beam else 1,
         "lookup_beams": method.beam.lookup_beams if method.beam else 0,
+        "lookup_length": method.beam.lookup_beam_length if method.beam else 1,
         "share_prefixes": method.beam.share_prefixes if method.beam else True,
         "prompts": len(runs),
         "generated_tokens": sum(len(r.tokens) for r in runs),
@@ -260,12 +262,12 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
         ),
     }
     if method.beam is not None and accepted:
-        length = method.beam.beam_length
+        length = method.beam.longest_beam
         summary["acceptance_by_position"] = [
             sum(a >= k for a in accepted) / len(accepted) for k in range(1, length)
         ]
         trees = [t for r in runs for t in r.tree_sizes]
-        unpacked_size = method.beam.num_beams * length
+        unpacked_size = replace(method.beam, share_prefixes=False, tree_budget=None).num_packed
         summary["tree_compression"] = statistics.fmean(trees) / unpacked_size
         summary["accepted_histogram"] = [accepted.count(k) for k in range(length)]
     return summary

@@ -20,17 +20,21 @@ def _pyplot() -> Any:
     return plt
 
 
-def _speculative(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _speculative(summary: list[dict[str, Any]], with_lookup: bool) -> list[dict[str, Any]]:
+    """The packed speculative methods (those with lookup beams only if `with_lookup`)."""
     return [
         s
         for s in summary
-        if s["beam_length"] > 1 and s["share_prefixes"] and not s.get("lookup_beams")
+        if s.get("accepted_histogram")
+        and s["share_prefixes"]
+        and s["beam_length"] > 1
+        and (with_lookup or not s.get("lookup_beams"))
     ]
 
 
 def speedup_heatmap(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
-    entries = _speculative(result["summary"])
+    entries = _speculative(result["summary"], with_lookup=False)  # a W x L grid
     widths = sorted({s["beam_width"] for s in entries})
     lengths = sorted({s["beam_length"] for s in entries})
     grid = [[float("nan")] * len(lengths) for _ in widths]
@@ -56,7 +60,7 @@ def speedup_heatmap(result: dict[str, Any], path: Path) -> Path:
 
 def accepted_histogram(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
-    entries = _speculative(result["summary"])
+    entries = _speculative(result["summary"], with_lookup=True)
     best = max(entries, key=lambda s: s["speedup"])
     counts = best["accepted_histogram"]
     total = max(sum(counts), 1)
@@ -96,7 +100,8 @@ def tokens_per_second(result: dict[str, Any], path: Path) -> Path:
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [tokens_per_second(result, out_dir / "tokens_per_second.png")]
-    if _speculative(result["summary"]):
+    if _speculative(result["summary"], with_lookup=False):
         paths.append(speedup_heatmap(result, out_dir / "speedup_heatmap.png"))
+    if _speculative(result["summary"], with_lookup=True):
         paths.append(accepted_histogram(result, out_dir / "accepted_histogram.png"))
     return paths

@@ -18,11 +18,14 @@ class BeamConfig:
     tree_budget: the number of packed tokens N the target verifies per step
         (a static shape). None means every distinct prefix fits: 1 + (W+G)*(L-1) with
         sharing, (W+G)*L without. A smaller budget drops the lowest-ranked beams' tails.
-    lookup_beams: G more beams of L tokens copied from each row's own text (prompt
-        and output so far): what followed the most recent earlier occurrences of its
-        newest n-gram (`lookup.lookup_beams`). They join the drafter's W beams in
-        the tree; 0 drafts with the drafter alone. W may be 0 when G >= 1.
+    lookup_beams: G more beams copied from each row's own text (prompt and output
+        so far): what followed the most recent earlier occurrences of its newest
+        n-gram (`lookup.lookup_beams`). They join the drafter's W beams in the tree;
+        0 drafts with the drafter alone. W may be 0 when G >= 1.
     lookup_ngram: the longest n-gram the lookup matches (it falls back to shorter).
+    lookup_length: Ll, tokens per lookup beam, the root included (None: L). A match
+        tends to hold for many tokens while the drafter's acceptance decays with
+        depth, so short drafter beams and long lookup beams make a small tree.
     """
 
     beam_width: int = 4
@@ -31,6 +34,7 @@ class BeamConfig:
     tree_budget: int | None = None
     lookup_beams: int = 0
     lookup_ngram: int = 3
+    lookup_length: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "lookup_beams"):
@@ -43,6 +47,17 @@ class BeamConfig:
             raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
         if not isinstance(self.beam_length, int) or self.beam_length < 1:
             raise ValueError(f"beam_length must be an integer >= 1, got {self.beam_length!r}")
+        if self.lookup_length is not None and (
+            not isinstance(self.lookup_length, int) or self.lookup_length < 1
+        ):
+            raise ValueError(
+                f"lookup_length must be an integer >= 1 (or None: beam_length), "
+                f"got {self.lookup_length!r}"
+            )
+        if self.lookup_length is not None and not self.lookup_beams:
+            raise ValueError("lookup_length is the length of lookup beams: set lookup_beams >= 1")
+        if self.lookup_length == self.beam_length:
+            object.__setattr__(self, "lookup_length", None)  # one spelling of one config
         if self.tree_budget is not None and not (
             self.beam_length <= self.tree_budget <= self.max_tree_size
         ):
@@ -58,11 +73,25 @@ class BeamConfig:
         return self.beam_width + self.lookup_beams
 
     @property
+    def lookup_beam_length(self) -> int:
+        """Ll: tokens per lookup beam, the root included."""
+        return self.beam_length if self.lookup_length is None else self.lookup_length
+
+    @property
+    def longest_beam(self) -> int:
+        """The most tokens a step can emit: the longest beam's length."""
+        if self.lookup_beams:
+            return max(self.beam_length, self.lookup_beam_length)
+        return self.beam_length
+
+    @property
     def max_tree_size(self) -> int:
         """Most packed tokens a tree of these beams can need."""
+        drafted = self.beam_width * (self.beam_length - 1)
+        looked_up = self.lookup_beams * (self.lookup_beam_length - 1)
         if self.share_prefixes:
-            return 1 + self.num_beams * (self.beam_length - 1)
-        return self.num_beams * self.beam_length
+            return 1 + drafted + looked_up
+        return drafted + looked_up + self.num_beams
 
     @property
     def num_packed(self) -> int:
@@ -71,25 +100,40 @@ class BeamConfig:
 
     @property
     def label(self) -> str:
-        """'WxL', or 'WxL+G' with G lookup beams (what `parse` reads)."""
+        """'WxL'; 'WxL+G' with G lookup beams of L tokens; 'WxL+GxLl' with G lookup
+        beams of Ll tokens (what `parse` reads)."""
         shape = f"{self.beam_width}x{self.beam_length}"
-        return f"{shape}+{self.lookup_beams}" if self.lookup_beams else shape
+        if not self.lookup_beams:
+            return shape
+        if self.lookup_beam_length == self.beam_length:
+            return f"{shape}+{self.lookup_beams}"
+        return f"{shape}+{self.lookup_beams}x{self.lookup_beam_length}"
 
     @classmethod
     def parse(cls, text: str) -> BeamConfig:
-        """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup beam; 'plain' -> 1x1."""
+        """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup beam of 3 tokens;
+        '1x3+1x6' -> the same with a lookup beam of 6 tokens; 'plain' -> 1x1."""
         item = text.strip().lower()
         if item == "plain":
             return PLAIN_DECODING
         shape, plus, lookup = item.partition("+")
         width, sep, length = shape.partition("x")
-        numbers = [width, length, lookup] if plus else [width, length]
+        count, lookup_sep, lookup_length = lookup.partition("x")
+        numbers = (
+            [width, length] + ([count] if plus else []) + ([lookup_length] if lookup_sep else [])
+        )
         if not sep or not all(number.isdigit() for number in numbers):
             raise ValueError(
                 f"{text!r} is not a beam shape: write WxL (drafter beams x beam length, "
-                "e.g. 2x2) or WxL+G (G more beams looked up in the text, e.g. 1x3+1)"
+                "e.g. 2x2), WxL+G (G more beams looked up in the text, e.g. 1x3+1) or "
+                "WxL+GxLl (lookup beams of Ll tokens, e.g. 1x3+1x6)"
             )
-        return cls(int(width), int(length), lookup_beams=int(lookup or 0))
+        return cls(
+            int(width),
+            int(length),
+            lookup_beams=int(count or 0),
+            lookup_length=int(lookup_length) if lookup_sep else None,
+        )
 
 
 PLAIN_DECODING = BeamConfig(beam_width=1, beam_length=1)

@@ -26,7 +26,7 @@ from .kernels import Kernels, select_kernels
 from .lookup import lookup_beams
 from .sampling import choose_tokens, choose_tokens_quickly, position_keys
 from .target import TargetCache, context_length, target_forward, target_hidden
-from .tree import PackedTree, chain_tree
+from .tree import PackedTree, chain_tree, pad_beams
 
 GREEDY = SamplingConfig()
 
@@ -184,8 +184,9 @@ class StepFunctions:
 
     draft: (hidden (B, D), root_tokens (B,)) -> the drafter's beams (B, W, L)
         (one beam of the root repeated when there are none)
-    lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, L), the
-        drafter's beams then G lookup beams; None without lookup beams
+    lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, max(L, Ll)),
+        the drafter's beams then G lookup beams, the shorter ones padded with ABSENT;
+        None without lookup beams
     pack: beams (B, W + G, L) -> PackedTree with N = beam.num_packed
     accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
     kernels: which implementation expands, packs and accepts ("mlx", "metal", ...)
@@ -224,15 +225,17 @@ def step_functions(
     embed = model.model.embed_tokens
     beam_length = beam.beam_length
     with_drafter = drafter is not None and beam.beam_width > 0 and beam_length > 1
-    # Lookup beams beside the drafter's, or alone when asked for (W = 0); a beam with
-    # drafter beams but no drafter is plain decoding, as in `speculative_decode`.
-    alone = beam.beam_width == 0 and beam_length > 1
-    num_lookup = beam.lookup_beams if with_drafter or alone else 0
+    # Lookup beams beside the drafter's, or alone (W = 0, or drafter beams of one
+    # token); a beam with drafter beams but no drafter is plain decoding, as in
+    # `speculative_decode`.
+    lookup_length = beam.lookup_beam_length
+    may_look_up = drafter is not None or beam.beam_width == 0
+    num_lookup = beam.lookup_beams if may_look_up and lookup_length > 1 else 0
     draft: Callable[[mx.array, mx.array], mx.array]
     if drafter is None or not with_drafter:
         # No drafter beams: the root alone (plain decoding), or with lookup beams the
         # root repeated, their fallback.
-        draft = _repeat_root(beam_length if num_lookup else 1)
+        draft = _repeat_root(lookup_length if num_lookup else 1)
     else:
 
         def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
@@ -260,10 +263,15 @@ def step_functions(
     if num_lookup:
 
         def lookup(beams: mx.array, history: mx.array, lengths: mx.array) -> mx.array:
+            # A row without a match gets the best drafted beam, cut or padded to Ll.
+            fallback = pad_beams(beams[:, :1], lookup_length)[:, 0]  # (B, Ll)
             found = lookup_beams(
-                history, lengths, num_lookup, beam_length, beam.lookup_ngram, beams[:, 0]
-            )  # (B, G, L)
-            return mx.concatenate([beams, found], axis=1) if with_drafter else found
+                history, lengths, num_lookup, lookup_length, beam.lookup_ngram, fallback
+            )  # (B, G, Ll)
+            if not with_drafter:
+                return found
+            longest = max(beam_length, lookup_length)  # shorter beams end in ABSENT
+            return mx.concatenate([pad_beams(beams, longest), pad_beams(found, longest)], axis=1)
 
     if compiled:
         pack, accept = mx.compile(pack), mx.compile(ops.accept)
@@ -465,7 +473,7 @@ def speculative_decode(
         emitted: list[list[int]] = []
         counted: list[int] = []
         for row, new_tokens, length in zip(state.row_ids, output.tokens, state.cache.host_lengths):
-            kept, count, reason = progress[row].take(new_tokens, length, beam.beam_length, limit)
+            kept, count, reason = progress[row].take(new_tokens, length, beam.longest_beam, limit)
             emitted.append(kept)
             counted.append(count)
             if reason is not None:

@@ -14,6 +14,10 @@ Worked example (docs/tree.md has more): one row, W = 3, L = 3,
     unpack        = [[0, 1, 2],              packed index of beam i's prefix of length k+1
                      [0, 1, 3],
                      [0, 4, 5]]
+
+Beams of different lengths (short drafter beams beside long lookup beams) share
+one (B, W, L) array: a shorter beam is padded with ABSENT (-1) tokens, which are
+never packed; their `unpack` is N, as for a node that did not fit the budget.
 """
 
 from __future__ import annotations
@@ -22,6 +26,17 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+ABSENT = -1  # no token at this (beam, depth): the beam ended before it
+
+
+def pad_beams(beams: mx.array, length: int) -> mx.array:
+    """Beams (B, W, L) cut or padded with ABSENT to (B, W, length)."""
+    batch_size, beam_width, beam_length = beams.shape
+    if length <= beam_length:
+        return beams[:, :, :length]
+    padding = mx.full((batch_size, beam_width, length - beam_length), ABSENT, dtype=beams.dtype)
+    return mx.concatenate([beams, padding], axis=-1)  # (B, W, length)
+
 
 class PackedTree(NamedTuple):
     """The beams of one step as a prefix tree, padded to a static N per row.
@@ -29,10 +44,12 @@ class PackedTree(NamedTuple):
     tokens:      (B, N) packed token ids; padding is 0.
     depths:      (B, N) depth of each packed token (0 is the root); padding is 0.
     unpack:      (B, W, L) packed index of the node for beam i's prefix of length k+1;
-                 an index >= N means the node did not fit the tree budget.
+                 an index >= N means the node did not fit the tree budget, and N
+                 that the beam has no token there (ABSENT).
     canonical:   (B, W, L) packed index of the first copy of that prefix: the target's
                  choice there decides for every copy (equal to unpack when prefixes
-                 are shared; differs only when duplicates are verified).
+                 are shared; differs only when duplicates are verified); N where
+                 the beam has no token.
     ancestors:   (B, N, N) bool, [b, p, q] is True when packed token q is p itself or
                  one of its ancestors (padding attends only to itself).
     num_tokens:  (B,) distinct prefixes in each row (may exceed N when pruned).
@@ -65,6 +82,7 @@ def pack_tree(beams: mx.array, num_packed: int, share_prefixes: bool = True) -> 
     Packed order is beam by beam, depth by depth, keeping only positions whose
     prefix first appears in that beam. Rows with fewer distinct prefixes are
     padded; rows with more are cut at num_packed (the tails of the last beams).
+    A beam ends at its first ABSENT (negative) token: nothing from there is packed.
     """
     batch_size, beam_width, beam_length = beams.shape
     flat_size = beam_width * beam_length
@@ -72,16 +90,19 @@ def pack_tree(beams: mx.array, num_packed: int, share_prefixes: bool = True) -> 
     depth_index = mx.arange(beam_length, dtype=mx.int32)  # (L,)
     first_owners = prefix_owners(beams)  # (B, W, L)
     owners = first_owners if share_prefixes else mx.broadcast_to(beam_index, beams.shape)
-    is_new = (owners == beam_index).reshape(batch_size, flat_size)  # (B, W*L)
+    present = mx.cumprod((beams >= 0).astype(mx.int32), axis=-1) > 0  # (B, W, L)
+    is_new = ((owners == beam_index) & present).reshape(batch_size, flat_size)  # (B, W*L)
 
     # Packed index of every new position, and of every position's owner node.
     packed_index = mx.cumsum(is_new.astype(mx.int32), axis=-1) - 1  # (B, W*L)
     owner_flat = (owners * beam_length + depth_index).reshape(batch_size, flat_size)
     unpack = mx.take_along_axis(packed_index, owner_flat, axis=-1)  # (B, W*L)
     unpack = unpack.reshape(batch_size, beam_width, beam_length)  # (B, W, L)
+    unpack = mx.where(present, unpack, num_packed)
     first_flat = (first_owners * beam_length + depth_index).reshape(batch_size, flat_size)
     canonical = mx.take_along_axis(packed_index, first_flat, axis=-1)  # (B, W*L)
     canonical = canonical.reshape(batch_size, beam_width, beam_length)  # (B, W, L)
+    canonical = mx.where(present, canonical, num_packed)
     num_tokens = mx.sum(is_new, axis=-1).astype(mx.int32)  # (B,)
 
     # Gather new positions to the front, in flat (beam, depth) order.

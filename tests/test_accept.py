@@ -3,7 +3,7 @@
 import mlx.core as mx
 
 from mlx_redrafter.accept import accept
-from mlx_redrafter.tree import pack_tree
+from mlx_redrafter.tree import ABSENT, pack_tree
 
 BEAMS = mx.array([[[5, 7, 9], [5, 7, 2], [5, 3, 9]]])  # packed [5, 7, 9, 2, 3, 9]
 
@@ -43,6 +43,20 @@ def test_nodes_cut_by_the_budget_cannot_be_accepted():
     result = run([[3, 0, 0, 0]], num_packed=4)
     assert result.num_accepted.tolist() == [0]
     assert result.tokens.tolist() == [[3, 0, 0]]
+
+
+def test_a_beam_is_not_accepted_past_its_end():
+    # Beam 0 ends after 7 (a short drafted beam beside a longer looked-up one).
+    beams = mx.array([[[5, 7, ABSENT], [5, 3, 9]]])
+    tree = pack_tree(beams, num_packed=4)  # tokens [5, 7, 3, 9]
+    result = accept(beams, tree.unpack, tree.canonical, mx.array([[7, 2, 9, 1]]))
+    assert result.num_accepted.tolist() == [1]
+    assert result.tokens.tolist() == [[7, 2, 0]]  # 7 accepted, then the bonus 2
+    assert result.path.tolist()[0][:2] == [0, 1]
+    # Along the longer beam the walk goes on as usual.
+    result = accept(beams, tree.unpack, tree.canonical, mx.array([[3, 2, 9, 1]]))
+    assert result.num_accepted.tolist() == [2]
+    assert result.tokens.tolist() == [[3, 9, 1]]
 
 
 def test_duplicate_copies_follow_the_first_copys_choice():

@@ -27,6 +27,9 @@ def test_generate_text_equals_mlx_lm_greedy(setup):
     assert text == words(mlx_lm_greedy(model, prompt, 30))
     # A string prompt is tokenized the way mlx-lm does it.
     assert generate(model, drafter, tokenizer, words(prompt), max_tokens=30) == text
+    # Lookup beams of their own length beside short drafter beams.
+    options = {"beam_width": 1, "beam_length": 2, "lookup_beams": 1, "lookup_length": 6}
+    assert generate(model, drafter, tokenizer, prompt, max_tokens=30, **options) == text
 
 
 def test_stream_generate_reports_steps_and_totals(setup):
@@ -119,6 +122,7 @@ def test_sampling_through_the_api_is_seeded(setup):
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"max_tokens": -3}, "max_tokens"),
+        ({"lookup_beams": 1, "lookup_length": 0}, "lookup_length"),
     ],
 )
 def test_invalid_arguments_say_what_to_change(setup, kwargs, message):

@@ -26,7 +26,11 @@ def result(trained_llama):
     model, drafter, prompts = trained_llama
     config = BenchConfig(
         max_tokens=24,
-        beams=(BeamConfig(3, 3), BeamConfig(2, 4), BeamConfig(1, 3, lookup_beams=1)),
+        beams=(
+            BeamConfig(3, 3),
+            BeamConfig(2, 4),
+            BeamConfig(1, 2, lookup_beams=1, lookup_length=4),
+        ),
         warmup_tokens=4,
         profile_prompts=2,
         batch_sizes=(1, 2),
@@ -46,8 +50,8 @@ def test_every_method_runs_on_every_prompt(result):
         "redrafter 3x3 unpacked",
         "redrafter 2x4",
         "redrafter 2x4 unpacked",
-        "redrafter 1x3+1",
-        "redrafter 1x3+1 unpacked",
+        "redrafter 1x2+1x4",
+        "redrafter 1x2+1x4 unpacked",
     ]
     assert len(result["runs"]) == 3 * len(names)
 
@@ -71,9 +75,13 @@ def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
     assert set(split) == {"draft", "verify", "other"}
     assert sum(split.values()) == pytest.approx(1.0)
     assert sum(packed["accepted_histogram"]) > 0
-    lookup = by_name["redrafter 1x3+1"]
-    assert lookup["lookup_beams"] == 1 and lookup["tau"] > 1.3
-    assert 0 < lookup["tree_compression"] <= 5 / 6
+    lookup = by_name["redrafter 1x2+1x4"]
+    assert lookup["lookup_beams"] == 1 and lookup["lookup_length"] == 4
+    assert lookup["tau"] > 1.3
+    # Positions 1-3: the lookup beam is longer than the drafter's.
+    assert len(lookup["acceptance_by_position"]) == 3
+    assert len(lookup["accepted_histogram"]) == 4
+    assert 0 < lookup["tree_compression"] <= 5 / 6  # N = 5 of 2 + 4
 
 
 def test_tau_is_reported_per_category(result):
@@ -138,9 +146,10 @@ def test_argument_parsing_and_prompt_files(tmp_path):
         parse_beams("4by4")
     with pytest.raises(ValueError):
         parse_beams("0x4")
-    assert parse_beams("1x3+1,0x4+2") == (
+    assert parse_beams("1x3+1,0x4+2,1x2+1x6") == (
         BeamConfig(1, 3, lookup_beams=1),
         BeamConfig(0, 4, lookup_beams=2),
+        BeamConfig(1, 2, lookup_beams=1, lookup_length=6),
     )
     assert parse_sizes("1,2,4") == (1, 2, 4)
     file = tmp_path / "p.jsonl"

@@ -86,6 +86,13 @@ def test_lookup_beams_decode_exactly_like_mlx_lm(family):
     alone, events = decode_tokens(model, None, prompts, BeamConfig(0, 4, lookup_beams=2), 32)
     assert with_drafter == references
     assert alone == references
+    # Lookup beams longer, and shorter, than the drafter's.
+    for beam in (
+        BeamConfig(1, 2, lookup_beams=1, lookup_length=6),
+        BeamConfig(2, 4, lookup_beams=2, lookup_length=2),
+        BeamConfig(0, 2, lookup_beams=1, lookup_length=5),
+    ):
+        assert decode_tokens(model, drafter, prompts, beam, 32)[0] == references, beam
     # Random tiny models fall into loops, which the lookup drafts: steps emit several tokens.
     produced = sum(len(output) for output in alone)
     assert produced / len(events) > 1.3
@@ -146,6 +153,20 @@ def test_beam_shapes_parse_and_label():
         BeamConfig.parse("0x4")
     with pytest.raises(ValueError, match="lookup_ngram"):
         BeamConfig(1, 3, lookup_beams=1, lookup_ngram=0)
+    # Lookup beams of their own length.
+    long_lookup = BeamConfig(1, 3, lookup_beams=1, lookup_length=7)
+    assert BeamConfig.parse("1x3+1x7") == long_lookup
+    assert long_lookup.label == "1x3+1x7"
+    assert BeamConfig.parse(long_lookup.label) == long_lookup
+    assert BeamConfig.parse("1x3+1x3") == BeamConfig(1, 3, lookup_beams=1)
+    assert BeamConfig.parse("1x3+1x3").label == "1x3+1"
+    for bad in ("1x3+1x", "1x3+x4", "1x3+1x4x2"):
+        with pytest.raises(ValueError, match="is not a beam shape"):
+            BeamConfig.parse(bad)
+    with pytest.raises(ValueError, match="set lookup_beams >= 1"):
+        BeamConfig.parse("1x3+0x5")
+    with pytest.raises(ValueError, match="lookup_length must be an integer >= 1"):
+        BeamConfig(1, 3, lookup_beams=1, lookup_length=0)
 
 
 def test_without_a_drafter_only_lookup_alone_speculates(trained_llama):

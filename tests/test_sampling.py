@@ -137,10 +137,13 @@ def test_lookup_beams_sample_the_target_distribution(small_vocab_target):
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_distribution(model, sampling)
-    beam = BeamConfig(1, 3, lookup_beams=1)
-    counts, accepted = sample_sequences(model, drafter, sampling, beam, seed=5)
-    assert accepted > SAMPLES // 2
-    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+    for beam in (
+        BeamConfig(1, 3, lookup_beams=1),
+        BeamConfig(1, 2, lookup_beams=1, lookup_length=4),
+    ):
+        counts, accepted = sample_sequences(model, drafter, sampling, beam, seed=5)
+        assert accepted > SAMPLES // 2, beam
+        assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3, beam
 
 
 def test_unshared_tree_sampling_is_exact(small_vocab_target):
@@ -273,6 +276,8 @@ def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_tar
         BeamConfig(4, 4, tree_budget=6),
         BeamConfig(1, 3, lookup_beams=1),
         BeamConfig(2, 4, lookup_beams=2),
+        BeamConfig(1, 2, lookup_beams=1, lookup_length=5),
+        BeamConfig(2, 4, lookup_beams=1, lookup_length=2),
     ):
         speculative, events = decode_tokens(
             model, drafter, prompts, beam, 16, sampling=rule, key=keys

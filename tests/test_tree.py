@@ -5,9 +5,11 @@ import pytest
 
 from mlx_redrafter.config import BeamConfig
 from mlx_redrafter.tree import (
+    ABSENT,
     attention_mask,
     chain_tree,
     pack_tree,
+    pad_beams,
     prefix_owners,
     sliding_window_mask,
     tree_positions,
@@ -113,8 +115,40 @@ def test_chain_tree_is_causal():
     assert tree.ancestors.astype(mx.int32).tolist() == [[[1, 0, 0], [1, 1, 0], [1, 1, 1]]]
 
 
+def test_absent_tokens_end_a_beam():
+    # A drafted beam of 2 tokens beside a looked-up beam of 4, in one (B, 2, 4) array.
+    beams = pad_beams(mx.array([[[5, 7]]]), 4)
+    assert beams.tolist() == [[[5, 7, ABSENT, ABSENT]]]
+    beams = mx.concatenate([beams, mx.array([[[5, 3, 9, 4]]])], axis=1)
+    tree = pack_tree(beams, num_packed=BeamConfig(1, 2, lookup_beams=1, lookup_length=4).num_packed)
+    assert tree.tokens.tolist() == [[5, 7, 3, 9, 4]]
+    assert tree.depths.tolist() == [[0, 1, 1, 2, 3]]
+    # Absent positions point at N = 5, as nodes cut by a budget do: never verified.
+    assert tree.unpack.tolist() == [[[0, 1, 5, 5], [0, 2, 3, 4]]]
+    assert tree.canonical.tolist() == tree.unpack.tolist()
+    assert tree.num_tokens.tolist() == [5]
+    # Token 9 of beam 1 sees the root, 3 and itself; nothing of beam 0's missing tail.
+    assert tree.ancestors[0, 3].tolist() == [True, False, True, True, False]
+
+
+def test_a_beam_ends_at_its_first_absent_token():
+    # An ABSENT token ends the beam even if real ids follow, and two beams that end
+    # alike share nothing past their end.
+    beams = mx.array([[[5, 7, ABSENT, 2], [5, 7, ABSENT, 2]]])
+    tree = pack_tree(beams, num_packed=2)
+    assert tree.tokens.tolist() == [[5, 7]]
+    assert tree.unpack.tolist() == [[[0, 1, 2, 2], [0, 1, 2, 2]]]
+    assert pad_beams(mx.array([[[5, 7, 9]]]), 2).tolist() == [[[5, 7]]]
+
+
 def test_beam_config_sizes():
     assert BeamConfig(3, 3).num_packed == 7
     assert BeamConfig(3, 3, share_prefixes=False).num_packed == 9
     assert BeamConfig(3, 3, tree_budget=5).num_packed == 5
     assert BeamConfig(1, 1).num_packed == 1
+    # Lookup beams of their own length: 1 + W (L - 1) + G (Ll - 1).
+    assert BeamConfig(1, 3, lookup_beams=1, lookup_length=7).num_packed == 1 + 2 + 6
+    assert BeamConfig(2, 4, lookup_beams=1, lookup_length=2).num_packed == 1 + 6 + 1
+    assert BeamConfig(1, 3, lookup_beams=1, lookup_length=7, share_prefixes=False).num_packed == 10
+    assert BeamConfig(1, 3, lookup_beams=1, lookup_length=7).longest_beam == 7
+    assert BeamConfig(2, 4, lookup_beams=1, lookup_length=2).longest_beam == 4

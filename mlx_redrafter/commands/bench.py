@@ -22,7 +22,7 @@ from .common import load_from_args
 
 
 def parse_beams(text: str) -> tuple[BeamConfig, ...]:
-    """'4x4,1x3+1' -> (BeamConfig(4, 4), BeamConfig(1, 3, lookup_beams=1))."""
+    """'4x4,1x3+1' -> (BeamConfig(4, 4), BeamConfig(1, 3, lookup_beams=1)); see BeamConfig.parse."""
     try:
         return tuple(BeamConfig.parse(item) for item in text.split(","))
     except ValueError as error:
@@ -65,7 +65,8 @@ def register(commands: Any) -> None:
         "--beams",
         type=parse_beams,
         default=(DEFAULT_BEAM,),
-        help=f"beam configurations WxL or WxL+G (G lookup beams), comma-separated (default "
+        help=f"beam configurations WxL, WxL+G (G lookup beams) or WxL+GxLl (lookup beams of Ll "
+        f"tokens), comma-separated (default "
         f"{DEFAULT_BEAM.label}, the default of generation)",
     )
     bench.add_argument("--temperature", type=float, default=0.0)

@@ -6,10 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..config import BeamConfig
-from ..generate import DEFAULT_BEAM
 from .common import load_from_args
-from .generate import add_model_arguments
+from .generate import add_beam_arguments, add_model_arguments, beam_from_args
 
 
 def register(commands: Any) -> None:
@@ -28,14 +26,7 @@ def register(commands: Any) -> None:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
-    chat.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
-    chat.add_argument(
-        "--lookup-beams",
-        type=int,
-        default=DEFAULT_BEAM.lookup_beams,
-        help="beams copied from the text so far, beside the drafter's (0: drafter only)",
-    )
+    add_beam_arguments(chat)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument(
         "--show-drafts",
@@ -49,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
 
     model, drafter, tokenizer = load_from_args(args)
-    beam = BeamConfig(args.beam_width, args.beam_length, lookup_beams=args.lookup_beams)
+    beam = beam_from_args(args)
     session = ChatSession(
         model,
         drafter,
@@ -66,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     mode = (
         "plain decoding (no drafter)"
         if drafter is None
-        else f"ReDrafter W={beam.beam_width} L={beam.beam_length}"
+        else f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
     )
     print(f"chat ({mode}); /help lists the commands, /quit leaves", file=sys.stderr)
     if args.show_drafts and drafter is not None:

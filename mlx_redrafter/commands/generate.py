@@ -32,6 +32,13 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    add_beam_arguments(parser)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def add_beam_arguments(parser: argparse.ArgumentParser) -> None:
+    """--beam-width, --beam-length, --lookup-beams, --lookup-length (read by `beam_from_args`)."""
     parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
     parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
     parser.add_argument(
@@ -40,8 +47,23 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BEAM.lookup_beams,
         help="beams copied from the text so far, beside the drafter's (0: drafter only)",
     )
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument(
+        "--lookup-length",
+        type=int,
+        default=DEFAULT_BEAM.lookup_length,
+        help="tokens per lookup beam, the root included (default: "
+        f"{DEFAULT_BEAM.lookup_length or 'the beam length'})",
+    )
+
+
+def beam_from_args(args: argparse.Namespace) -> BeamConfig:
+    lookup_length = args.lookup_length if args.lookup_beams else None
+    return BeamConfig(
+        args.beam_width,
+        args.beam_length,
+        lookup_beams=args.lookup_beams,
+        lookup_length=lookup_length,
+    )
 
 
 def register(commands: Any) -> None:
@@ -75,7 +97,7 @@ def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | li
 def run(args: argparse.Namespace) -> int:
     model, drafter, tokenizer = load_from_args(args)
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
-    beam = BeamConfig(args.beam_width, args.beam_length, lookup_beams=args.lookup_beams)
+    beam = beam_from_args(args)
     started = time.perf_counter()
     last = None
     for response in stream_generate(

@@ -249,10 +249,18 @@ PACK_TREE = KernelSpec(
   // 2. A position whose owner is its own beam is new: it takes the next packed index
   //    and, when it fits, is placed with the nodes of its path as its ancestors.
   //    Any other position points at its owner's node, placed earlier.
+  //    A beam ends at its first ABSENT (negative) token: from there its positions
+  //    are not packed and point at N.
   int count = 0;
   for (int i = 0; i < width; ++i) {
+    bool ended = false;
     for (int k = 0; k < length; ++k) {
       const int f = i * length + k;
+      ended = ended || beams[row + f] < 0;
+      if (ended) {
+        unpack[row + f] = packed;
+        continue;
+      }
       const int owner = share ? canonical[row + f] : i;
       if (owner != i) {
         unpack[row + f] = unpack[row + owner * length + k];

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_redrafter.config import BeamConfig
-from mlx_redrafter.tree import pack_tree
+from mlx_redrafter.tree import ABSENT, pack_tree
 
 
 def same(got, want) -> bool:
@@ -69,9 +69,10 @@ EXPAND_KINDS = ["normal", "ties", "shared", "first", "masked", "dead"]
 ACCEPT_SHAPES = [(1, 1, 1), (1, 1, 4), (2, 3, 3), (3, 4, 5), (1, 8, 2), (4, 2, 6), (2, 5, 4)]
 
 
-def accept_inputs(shape, share_prefixes, budget_cut, rng: random.Random):
+def accept_inputs(shape, share_prefixes, budget_cut, rng: random.Random, ragged=False):
     """Beams over a 3-token vocabulary (so prefixes are shared), their tree, and target
-    choices that often follow a beam all the way (full-length acceptances happen)."""
+    choices that often follow a beam all the way (full-length acceptances happen).
+    ragged: beams of different lengths (tails ABSENT)."""
     batch, width, length = shape
     beam = BeamConfig(width, length, share_prefixes=share_prefixes)
     num_packed = beam.max_tree_size
@@ -83,6 +84,9 @@ def accept_inputs(shape, share_prefixes, budget_cut, rng: random.Random):
     for row_beams in beams:  # every beam opens with its row's root token
         for one_beam in row_beams:
             one_beam[0] = row_beams[0][0]
+            if ragged:
+                end = rng.randint(1, length)
+                one_beam[end:] = [ABSENT] * (length - end)
     beams_mx = mx.array(beams, mx.int32)
     tree = pack_tree(beams_mx, num_packed, share_prefixes)
     choices = [[rng.randrange(3) for _ in range(num_packed)] for _ in range(batch)]
@@ -92,7 +96,7 @@ def accept_inputs(shape, share_prefixes, budget_cut, rng: random.Random):
             w = rng.randrange(width)
             for k in range(length - 1):
                 node = canonical[row][w][k]
-                if node < num_packed:
+                if node < num_packed and beams[row][w][k + 1] != ABSENT:
                     choices[row][node] = beams[row][w][k + 1]
     return beams_mx, tree.unpack, tree.canonical, mx.array(choices, mx.int32)
 
@@ -102,8 +106,9 @@ def accept_cases():
     for shape in ACCEPT_SHAPES:
         for share_prefixes in (True, False):
             for budget_cut in (False, True):
-                for _ in range(4):
-                    yield shape, accept_inputs(shape, share_prefixes, budget_cut, rng)
+                for case in range(6):
+                    ragged = case >= 4
+                    yield shape, accept_inputs(shape, share_prefixes, budget_cut, rng, ragged)
 
 
 def pack_cases():
@@ -114,8 +119,8 @@ def pack_cases():
         for share_prefixes in (True, False):
             full = BeamConfig(width, length, share_prefixes=share_prefixes).max_tree_size
             for budget in sorted({full, max(length, full - 1), length}):
-                for kind in ("random", "identical", "distinct"):
-                    if kind == "random":
+                for kind in ("random", "identical", "distinct", "ragged"):
+                    if kind in ("random", "ragged"):
                         beams = np.array(
                             [
                                 [[rng.randrange(3) for _ in range(length)] for _ in range(width)]
@@ -127,4 +132,8 @@ def pack_cases():
                     else:
                         beams = np.arange(batch * width * length).reshape(batch, width, length)
                     beams[:, :, 0] = beams[:, :1, 0]  # one root per row
+                    if kind == "ragged":  # beams of different lengths end in ABSENT
+                        for row in beams:
+                            for one_beam in row:
+                                one_beam[rng.randint(1, length) :] = ABSENT
                     yield mx.array(beams, mx.int32), budget, share_prefixes
