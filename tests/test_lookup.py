@@ -146,7 +146,7 @@ def test_beam_shapes_parse_and_label():
     assert BeamConfig(2, 3).label == "2x3"
     assert BeamConfig(1, 3, lookup_beams=1).num_packed == 1 + 2 * 2
     assert BeamConfig(1, 3, lookup_beams=1, share_prefixes=False).num_packed == 2 * 3
-    for bad in ("4by4", "2x", "1x3+", "1x3+a", "x3"):
+    for bad in ("4by4", "2x", "1x3+", "1x3+a", "x3", "1x3+1x", "1x3+x4", "1x3+1x4x2"):
         with pytest.raises(ValueError, match="is not a beam shape"):
             BeamConfig.parse(bad)
     with pytest.raises(ValueError, match="beam_width >= 1 or lookup_beams >= 1"):
@@ -160,9 +160,6 @@ def test_beam_shapes_parse_and_label():
     assert BeamConfig.parse(long_lookup.label) == long_lookup
     assert BeamConfig.parse("1x3+1x3") == BeamConfig(1, 3, lookup_beams=1)
     assert BeamConfig.parse("1x3+1x3").label == "1x3+1"
-    for bad in ("1x3+1x", "1x3+x4", "1x3+1x4x2"):
-        with pytest.raises(ValueError, match="is not a beam shape"):
-            BeamConfig.parse(bad)
     with pytest.raises(ValueError, match="set lookup_beams >= 1"):
         BeamConfig.parse("1x3+0x5")
     with pytest.raises(ValueError, match="lookup_length must be an integer >= 1"):
