@@ -187,7 +187,7 @@ class StepFunctions:
     lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, max(L, Ll)),
         the drafter's beams then G lookup beams, the shorter ones padded with ABSENT;
         None without lookup beams
-    pack: beams (B, W + G, L) -> PackedTree with N = beam.num_packed
+    pack: beams (B, W + G, max(L, Ll)) -> PackedTree with N = beam.num_packed
     accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
     kernels: which implementation expands, packs and accepts ("mlx", "metal", ...)
     """

@@ -99,6 +99,19 @@ def _check_inputs(
         drafter.check_fits(model)
 
 
+def beam_config(
+    beam_width: int, beam_length: int, lookup_beams: int, lookup_length: int | None
+) -> BeamConfig:
+    """The BeamConfig of the API's and the CLI's separate beam options. lookup_length
+    counts only with lookup beams (its default comes with the default's lookup beam)."""
+    return BeamConfig(
+        beam_width=beam_width,
+        beam_length=beam_length,
+        lookup_beams=lookup_beams,
+        lookup_length=lookup_length if lookup_beams else None,
+    )
+
+
 def _settings(
     tokenizer: Any,
     max_tokens: int,
@@ -112,12 +125,7 @@ def _settings(
     stop: Sequence[str] | str | None,
     drafter: Drafter | None,
 ) -> tuple[BeamConfig, SamplingConfig, StopConfig]:
-    beam = BeamConfig(
-        beam_width=beam_width,
-        beam_length=beam_length,
-        lookup_beams=lookup_beams,
-        lookup_length=lookup_length if lookup_beams else None,
-    )
+    beam = beam_config(beam_width, beam_length, lookup_beams, lookup_length)
     if drafter is not None and beam.beam_width > drafter.config.output_size:
         raise ValueError(
             f"beam_width {beam.beam_width} exceeds the drafter's vocabulary of "

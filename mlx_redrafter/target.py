@@ -351,8 +351,7 @@ class TargetCache:
         if misplaced:
             # Entries past num_kept may name nodes that were cut or absent (>= N).
             last = self._tree.tokens.shape[1] - 1 if self._tree is not None else 0
-            inside = [[min(index, last) for index in row] for row in path]
-            source = frontier + mx.array(inside, dtype=mx.int32)  # (B, K)
+            source = frontier + mx.minimum(mx.array(path, dtype=mx.int32), last)  # (B, K)
             steps = mx.arange(source.shape[1], dtype=mx.int32)
             destination = self.lengths[:, None] + steps  # (B, K)
             for layer in self.layers:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..config import BeamConfig
-from ..generate import DEFAULT_BEAM, format_summary, stream_generate
+from ..generate import DEFAULT_BEAM, beam_config, format_summary, stream_generate
 from .common import load_from_args
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -57,13 +57,7 @@ def add_beam_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def beam_from_args(args: argparse.Namespace) -> BeamConfig:
-    lookup_length = args.lookup_length if args.lookup_beams else None
-    return BeamConfig(
-        args.beam_width,
-        args.beam_length,
-        lookup_beams=args.lookup_beams,
-        lookup_length=lookup_length,
-    )
+    return beam_config(args.beam_width, args.beam_length, args.lookup_beams, args.lookup_length)
 
 
 def register(commands: Any) -> None:
