@@ -26,6 +26,9 @@ class BeamConfig:
     lookup_length: Ll, tokens per lookup beam, the root included (None: L). A match
         tends to hold for many tokens while the drafter's acceptance decays with
         depth, so short drafter beams and long lookup beams make a small tree.
+    lookup_table: a lookup beam with no match in the row's text takes the
+        continuation the drafter's n-gram table knows (`ngrams.py`), when the drafter
+        ships one; False keeps the drafter's best beam there (written ':text').
     """
 
     beam_width: int = 4
@@ -35,6 +38,7 @@ class BeamConfig:
     lookup_beams: int = 0
     lookup_ngram: int = 3
     lookup_length: int | None = None
+    lookup_table: bool = True
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "lookup_beams"):
@@ -58,6 +62,8 @@ class BeamConfig:
             raise ValueError("lookup_length is the length of lookup beams: set lookup_beams >= 1")
         if self.lookup_length == self.beam_length:
             object.__setattr__(self, "lookup_length", None)  # one spelling of one config
+        if not self.lookup_beams:
+            object.__setattr__(self, "lookup_table", True)
         if self.tree_budget is not None and not (
             self.beam_length <= self.tree_budget <= self.max_tree_size
         ):
@@ -101,21 +107,30 @@ class BeamConfig:
     @property
     def label(self) -> str:
         """'WxL'; 'WxL+G' with G lookup beams of L tokens; 'WxL+GxLl' with G lookup
-        beams of Ll tokens (what `parse` reads)."""
+        beams of Ll tokens; ':text' when they do not use the n-gram table (what
+        `parse` reads)."""
         shape = f"{self.beam_width}x{self.beam_length}"
         if not self.lookup_beams:
             return shape
+        source = "" if self.lookup_table else ":text"
         if self.lookup_beam_length == self.beam_length:
-            return f"{shape}+{self.lookup_beams}"
-        return f"{shape}+{self.lookup_beams}x{self.lookup_beam_length}"
+            return f"{shape}+{self.lookup_beams}{source}"
+        return f"{shape}+{self.lookup_beams}x{self.lookup_beam_length}{source}"
 
     @classmethod
     def parse(cls, text: str) -> BeamConfig:
         """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup beam of 3 tokens;
-        '1x3+1x6' -> the same with a lookup beam of 6 tokens; 'plain' -> 1x1."""
+        '1x3+1x6' -> the same with a lookup beam of 6 tokens; '1x3+1x6:text' -> the
+        lookup beam without the n-gram table; 'plain' -> 1x1."""
         item = text.strip().lower()
         if item == "plain":
             return PLAIN_DECODING
+        item, colon, source = item.partition(":")
+        if colon and (source != "text" or "+" not in item):
+            raise ValueError(
+                f"{text!r}: ':text' (lookup beams from the text alone) follows a shape "
+                "with lookup beams, e.g. 1x3+1x7:text"
+            )
         shape, plus, lookup = item.partition("+")
         width, sep, length = shape.partition("x")
         count, lookup_sep, lookup_length = lookup.partition("x")
@@ -126,13 +141,15 @@ class BeamConfig:
             raise ValueError(
                 f"{text!r} is not a beam shape: write WxL (drafter beams x beam length, "
                 "e.g. 2x2), WxL+G (G more beams looked up in the text, e.g. 1x3+1) or "
-                "WxL+GxLl (lookup beams of Ll tokens, e.g. 1x3+1x6)"
+                "WxL+GxLl (lookup beams of Ll tokens, e.g. 1x3+1x6; ':text' after it "
+                "leaves the n-gram table out)"
             )
         return cls(
             int(width),
             int(length),
             lookup_beams=int(count or 0),
             lookup_length=int(lookup_length) if lookup_sep else None,
+            lookup_table=not colon,
         )
 
 

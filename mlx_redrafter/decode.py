@@ -24,6 +24,7 @@ from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, Sto
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
 from .lookup import lookup_beams
+from .ngrams import table_beams
 from .sampling import choose_tokens, choose_tokens_quickly, position_keys
 from .target import TargetCache, context_length, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
@@ -260,11 +261,15 @@ def step_functions(
         return ops.pack(beams, num_packed, share_prefixes)
 
     lookup = None
+    table = drafter.ngrams if drafter is not None and beam.lookup_table else None
     if num_lookup:
 
         def lookup(beams: mx.array, history: mx.array, lengths: mx.array) -> mx.array:
-            # A row without a match gets the best drafted beam, cut or padded to Ll.
+            # A row without a match gets the n-gram table's continuation, or the best
+            # drafted beam, cut or padded to Ll.
             fallback = pad_beams(beams[:, :1], lookup_length)[:, 0]  # (B, Ll)
+            if table is not None:
+                fallback = table_beams(table, history, lengths, fallback)  # (B, Ll)
             found = lookup_beams(
                 history, lengths, num_lookup, lookup_length, beam.lookup_ngram, fallback
             )  # (B, G, Ll)

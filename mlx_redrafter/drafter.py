@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .ngrams import NGRAMS_FILE, NgramTable, NgramTableError, load_ngram_table, save_ngram_table
+
 MODEL_TYPE = "recurrent_drafting_drafter"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -128,12 +130,20 @@ class Drafter(nn.Module):
 
     Parameter names follow the reference checkpoint format (`rnn_u`, `rnn_w`,
     `input_proj`, `lm_head.{i}.linear`, `lm_head.{n}`), all stored out x in.
+    `ngrams` is the n-gram table of the target's replies that may ship beside the
+    weights (`ngrams.py`): fixed data, read by lookup beams, never trained.
     """
 
-    def __init__(self, config: DrafterConfig, draft_vocab_ids: Sequence[int] | None = None):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        draft_vocab_ids: Sequence[int] | None = None,
+        ngrams: NgramTable | None = None,
+    ):
         super().__init__()
         self.config = config
         self.quantization: Quantization | None = None
+        self.ngrams = ngrams
         d, e = config.hidden_size, config.exit_dim
         if config.rnn:
             self.rnn_u = nn.Linear(d, d, bias=True)
@@ -260,7 +270,8 @@ class Drafter(nn.Module):
             raise DrafterError("draft_vocab_ids must not repeat a token id")
 
     def save(self, path: str | os.PathLike[str], overwrite: bool = False) -> Path:
-        """Write `config.json` + `model.safetensors` into folder `path`, atomically."""
+        """Write `config.json` + `model.safetensors` (+ `ngrams.safetensors` when the
+        drafter has a table) into folder `path`, atomically."""
         target = Path(path)
         if target.exists() and not overwrite:
             raise FileExistsError(f"{target} exists; pass overwrite=True to replace it")
@@ -273,6 +284,8 @@ class Drafter(nn.Module):
         try:
             mx.save_safetensors(str(staging / WEIGHTS_FILE), weights, {"format": "mlx"})
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+            if self.ngrams is not None:
+                save_ngram_table(self.ngrams, staging)
             if target.exists():
                 backup = target.with_name(f".{target.name}.old")
                 shutil.rmtree(backup, ignore_errors=True)
@@ -313,7 +326,13 @@ class Drafter(nn.Module):
                 f"{weights_path} has no {DRAFT_VOCAB_KEY} but the config "
                 f"declares draft_vocab_size={config.draft_vocab_size}"
             )
-        drafter = cls(config, cast(list[int], ids.tolist()) if ids is not None else None)
+        ngrams = None
+        if (folder / NGRAMS_FILE).is_file():
+            try:
+                ngrams = load_ngram_table(folder / NGRAMS_FILE, config.vocab_size)
+            except NgramTableError as error:
+                raise DrafterError(str(error)) from None
+        drafter = cls(config, cast(list[int], ids.tolist()) if ids is not None else None, ngrams)
         quantization = raw_config.get("quantization")
         if quantization:
             drafter.quantize(group_size=quantization["group_size"], bits=quantization["bits"])

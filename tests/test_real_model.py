@@ -73,12 +73,14 @@ def test_default_beam_with_the_shipped_drafter_is_identical_and_fast(smollm2, mt
     prompts, references = mt_bench
     prepare_target(model)
     drafter = Drafter.load(DEFAULT_DRAFTER)
+    assert drafter.ngrams is not None  # lookup beams without a match copy the table
     produced = steps = 0
     for prompt, reference in zip(prompts, references):
         responses = list(stream_generate(model, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS))
         assert [t for r in responses for t in r.tokens] == reference
         produced += len(reference)
         steps += responses[-1].steps
-    # 1.80 measured here (10 turns x 128 tokens); a random drafter gives ~1.0, and the
-    # headline run (64 turns x 256 tokens, a longer text to look up in) 2.47.
-    assert produced / steps > 1.6
+    # 1.93 measured here (10 turns x 128 tokens), 1.80 without the n-gram table
+    # ("1x3+1x7:text"); a random drafter gives ~1.0, and the headline run (64 turns x
+    # 256 tokens, a longer text to look up in) 2.60.
+    assert produced / steps > 1.86
