@@ -13,7 +13,8 @@ the occurrences that agree so far). A lookup beam without a match in the row's
 text takes the table's continuation of the longest n-gram it knows. The target
 verifies it like any other beam, so the output never depends on the table.
 
-Worked example (order 2, C = 2), replies [[5, 6, 7], [5, 6, 7], [5, 6, 8], [9, 6, 8]]:
+Worked example (order 2, C = 2, min_count 1),
+replies [[5, 6, 7], [5, 6, 7], [5, 6, 8], [9, 6, 8]]:
 
     n = 1: 5 -> [6, 7]  (6 always follows; then 7 twice, 8 once)
            6 -> [7]     (7 twice, 8 twice: the smaller id wins the tie; after 7
@@ -142,7 +143,7 @@ def _greedy_continuation(followers: np.ndarray) -> np.ndarray:
 
 
 def build_ngram_table(
-    replies: Sequence[Sequence[int]], order: int = 2, length: int = 6, min_count: int = 1
+    replies: Sequence[Sequence[int]], order: int = 2, length: int = 6, min_count: int = 2
 ) -> NgramTable:
     """Count every n-gram (n = 1..order) of the replies and keep its usual continuation.
 

@@ -44,7 +44,7 @@ def look_up(table, rows):
 def test_worked_example():
     # ngrams.py's docstring
     replies = [[5, 6, 7], [5, 6, 7], [5, 6, 8], [9, 6, 8]]
-    table = build_ngram_table(replies, order=2, length=2)
+    table = build_ngram_table(replies, order=2, length=2, min_count=1)
     assert look_up(table, [[5], [6], [9], [1, 9, 6], [5, 6], [7], [8], [1]]) == [
         [6, 7],
         [7, ABSENT],  # 7 and 8 both follow 6 twice: the smaller id; then the reply ends
@@ -185,7 +185,8 @@ def test_table_beams_decode_exactly_like_mlx_lm_and_draft_more(trained_llama):
     model, trained, _ = trained_llama
     prompts = random_prompts(24, seed=11, lengths=(2, 6))
     references = [mlx_lm_greedy(model, p, 24) for p in prompts]
-    drafter = Drafter(trained.config, ngrams=build_ngram_table(references, order=2, length=6))
+    table = build_ngram_table(references, order=2, length=6, min_count=1)
+    drafter = Drafter(trained.config, ngrams=table)
     drafter.update(trained.parameters())
     steps = {}
     for label in ("0x7+1", "0x7+1:text", "1x3+1x7", "2x2+1x4"):

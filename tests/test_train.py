@@ -265,6 +265,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "holds no shard-*.npz shards" in capsys.readouterr().err
     assert main(["train", "--data", "x", "--output", "y", "--tau-beams", "4by4"]) == 2
     assert "--tau-beams" in capsys.readouterr().err
+    assert main(["train", "--data", "x", "--output", "y", "--ngram-order", "-1"]) == 2
+    assert "--ngram-order must be >= 0" in capsys.readouterr().err
 
 
 def test_checkpoint_state_is_json(data, tmp_path):
@@ -431,6 +433,10 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
     stored = mx.load(str(tmp_path / "shipped" / "model.safetensors"))
     assert stored["lm_head.2.weight"].dtype == mx.float16  # exported in half precision
     assert shipped.lm_head[-1].weight.dtype == mx.float32  # loaded for the CPU backend
+    # The n-gram table of the training replies comes with both copies (--ngram-order 2).
+    assert "n-gram table:" in err and report["ngrams"]["order"] == 2
+    assert shipped.ngrams is not None
+    assert Drafter.load(tmp_path / "run" / "drafter").ngrams is not None
     # A second run into the same folder must be told to --resume.
     assert main(run) == 2
     assert "pass --resume" in capsys.readouterr().err

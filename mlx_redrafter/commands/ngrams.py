@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..distill import load_distilled
+from ..distill import DistilledSequence, load_distilled
 from ..drafter import Drafter
 from ..ngrams import NGRAMS_FILE, build_ngram_table, save_ngram_table
 from ..train import TrainConfig, split_validation
@@ -48,12 +49,18 @@ def register(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def training_replies(
+    records: Sequence[DistilledSequence], validation_fraction: float, seed: int
+) -> list[list[int]]:
+    """The replies of the records `train` learns from (its held-out ids left out)."""
+    held = split_validation([r.id for r in records], validation_fraction, seed)
+    return [r.tokens[r.prompt_length :] for r, h in zip(records, held) if not h]
+
+
 def run(args: argparse.Namespace) -> int:
     folder = Path(args.drafter)
     drafter = Drafter.load(folder)  # a clear error when it is not a drafter folder
-    records = load_distilled(args.data)
-    held = split_validation([r.id for r in records], args.validation_fraction, args.seed)
-    replies = [r.tokens[r.prompt_length :] for r, h in zip(records, held) if not h]
+    replies = training_replies(load_distilled(args.data), args.validation_fraction, args.seed)
     vocab_size = drafter.config.vocab_size
     if any(token >= vocab_size for reply in replies for token in reply):
         raise ValueError(

@@ -17,6 +17,7 @@ from ..config import BeamConfig
 from ..distill import load_distilled
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load, load_drafter
+from ..ngrams import build_ngram_table, save_ngram_table
 from ..prompts import encode_prompt, read_prompts
 from ..train import (
     TrainConfig,
@@ -30,6 +31,7 @@ from ..train import (
     validate,
     vocab_coverage,
 )
+from .ngrams import training_replies
 
 
 def _beams(text: str) -> list[tuple[int, int]]:
@@ -62,6 +64,13 @@ def register(commands: Any) -> None:
         choices=["float32", "float16", "bfloat16"],
         default="float32",
         help="dtype of the exported weights (smaller files; cast back to float32 at load)",
+    )
+    parser.add_argument(
+        "--ngram-order",
+        type=int,
+        default=2,
+        help="store the n-gram table of the training replies (n <= this) with the drafter, "
+        "for lookup beams (as `mlx-redrafter ngrams`; 0: none)",
     )
     arch = parser.add_argument_group("drafter architecture (new drafters)")
     arch.add_argument(
@@ -216,6 +225,8 @@ def _tau_report(
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     _beams(args.tau_beams)  # check early
+    if args.ngram_order < 0:
+        raise ValueError("--ngram-order must be >= 0 (0: no n-gram table)")
     group = mx.distributed.init()
     rank = group.rank()
     distributed = group if group.size() > 1 else None
@@ -322,6 +333,14 @@ def run(args: argparse.Namespace) -> int:
     if args.export:
         _export(drafter, args.export, args.export_dtype)
         print(f"exported the drafter to {args.export} ({args.export_dtype})", file=sys.stderr)
+    if args.ngram_order:
+        # The lookup beams' n-gram table of the same training replies (`mlx-redrafter ngrams`).
+        replies = training_replies(records, config.validation_fraction, config.seed)
+        table = build_ngram_table(replies, order=args.ngram_order)
+        for folder in [output / "drafter"] + ([Path(args.export)] if args.export else []):
+            save_ngram_table(table, folder)
+        summary["ngrams"] = {"order": table.order, "entries": table.size}
+        print(f"n-gram table: {table.size} entries (n <= {table.order})", file=sys.stderr)
     if args.tau_prompts and result.steps >= result.total_steps:
         held = split_validation(ids, config.validation_fraction, config.seed)
         held_out = [s.tokens[: s.prompt_length] for s, h in zip(sequences, held) if h]
