@@ -41,7 +41,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
-from .tree import ABSENT
+from .tree import ABSENT, pad_beams
 
 NGRAMS_FILE = "ngrams.safetensors"
 _SEED = 0x9E3779B9
@@ -255,11 +255,7 @@ def table_beams(
     continuations, found = lookup_continuations(table, context, lengths)  # (B, C), (B,)
     roots = mx.take_along_axis(context, lengths[:, None] - 1, axis=1).astype(mx.int32)  # (B, 1)
     beams = mx.concatenate([roots, continuations], axis=1)  # (B, 1 + C)
-    if beams.shape[1] >= beam_length:
-        beams = beams[:, :beam_length]
-    else:
-        pad = mx.full((beams.shape[0], beam_length - beams.shape[1]), ABSENT, dtype=mx.int32)
-        beams = mx.concatenate([beams, pad], axis=1)  # (B, Ll)
+    beams = pad_beams(beams[:, None], beam_length)[:, 0]  # (B, Ll)
     return mx.where(found[:, None], beams, fallback.astype(mx.int32))
 
 

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = Drafter.load(folder)  # a clear error when it is not a drafter folder
     replies = training_replies(load_distilled(args.data), args.validation_fraction, args.seed)
     vocab_size = drafter.config.vocab_size
-    if any(token >= vocab_size for reply in replies for token in reply):
+    if max((max(reply, default=0) for reply in replies), default=0) >= vocab_size:
         raise ValueError(
             f"the distilled replies hold token ids >= {vocab_size}, the drafter's target "
             "vocabulary: they were written by another model"
