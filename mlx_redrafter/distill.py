@@ -40,7 +40,7 @@ import numpy as np
 from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
 from .decode import speculative_decode
 from .drafter import Drafter
-from .files import fsync_path
+from .files import fsync_path, match_umask
 from .prompts import PromptRecord, encode_prompt
 
 MANIFEST = "manifest.json"
@@ -137,6 +137,7 @@ def write_shard(folder: Path, index: int, shard: Shard, prefix: str = "") -> Pat
     target = folder / f"shard-{prefix}{index:05d}.npz"
     fd, temp = tempfile.mkstemp(prefix=".shard-", suffix=".npz.partial", dir=folder)
     try:
+        match_umask(temp)
         with os.fdopen(fd, "wb") as f:
             np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
             f.flush()
@@ -209,6 +210,7 @@ def _check_manifest(folder: Path, config: DistillConfig) -> None:
             )
         return
     fd, temp = tempfile.mkstemp(prefix=".manifest-", dir=folder)
+    match_umask(temp)
     with os.fdopen(fd, "w") as f:
         json.dump(wanted, f, indent=2)
         f.write("\n")

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .files import match_umask
 from .ngrams import NGRAMS_FILE, NgramTable, NgramTableError, load_ngram_table, save_ngram_table
 
 MODEL_TYPE = "recurrent_drafting_drafter"
@@ -282,6 +283,7 @@ class Drafter(nn.Module):
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
+            match_umask(staging)
             mx.save_safetensors(str(staging / WEIGHTS_FILE), weights, {"format": "mlx"})
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             if self.ngrams is not None:

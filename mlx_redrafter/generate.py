@@ -24,11 +24,12 @@ from .target import context_length, prepare_target
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-# The default tree: one drafter beam of 3 tokens and one lookup beam of 7 (N = 9),
-# `1x3+1x7`. On the headline run (README, "Performance"; session 9) it reached tau
-# 2.47 and 1.60x mlx-lm with the shipped SmolLM2 drafter, against 1.46x for 1x3+1
-# (lookup beam of 3) and 1.53x for the lookup alone (0x5+1) in the same run.
-DEFAULT_BEAM = BeamConfig(beam_width=1, beam_length=3, lookup_beams=1, lookup_length=7)
+# The default tree: one drafter beam of 2 tokens (the root and one drafted token)
+# and one lookup beam of 7 (N = 8), `1x2+1x7`. The fastest shape measured on this
+# machine with the shipped SmolLM2 drafter and its n-gram table: 1.80x mlx-lm at
+# tau 2.51 on the headline run (README, "Performance"; session 11), against 1.74x
+# for 2x2+1x7 (tau 2.61) and 1.71x for 1x3+1x7 (tau 2.60) in the same run.
+DEFAULT_BEAM = BeamConfig(beam_width=1, beam_length=2, lookup_beams=1, lookup_length=7)
 
 Prompt = str | Sequence[int]
 

@@ -41,6 +41,7 @@ from typing import cast
 import mlx.core as mx
 import numpy as np
 
+from .files import match_umask
 from .tree import ABSENT, pad_beams
 
 NGRAMS_FILE = "ngrams.safetensors"
@@ -270,10 +271,8 @@ def save_ngram_table(table: NgramTable, folder: str | os.PathLike[str]) -> Path:
         stored = table.continuations
     handle, staging = tempfile.mkstemp(prefix=".ngrams.", suffix=".safetensors", dir=folder)
     os.close(handle)
-    umask = os.umask(0)
-    os.umask(umask)
     try:
-        os.chmod(staging, 0o666 & ~umask)  # mkstemp's 0600 would hide it from other users
+        match_umask(staging)
         mx.save_safetensors(
             staging,
             {"keys": table.keys, "continuations": stored},

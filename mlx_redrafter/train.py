@@ -48,8 +48,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from .config import BeamConfig
 from .drafter import Drafter
-from .files import fsync_path
+from .files import fsync_path, match_umask
 from .target import output_logits
 
 # ---------------------------------------------------------------------------
@@ -593,6 +594,7 @@ def write_checkpoint(
     name = f"ckpt-{step:07d}"
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=root))
     try:
+        match_umask(staging)
         drafter.save(staging / "drafter", overwrite=True)
         mx.save_safetensors(
             str(staging / OPTIMIZER_FILE), dict(tree_flatten(optimizer.state)), {"format": "mlx"}
@@ -1048,12 +1050,15 @@ def measure_tau(
     tokenizer: Any,
     prompts: Sequence[Sequence[int]],
     *,
-    beam_width: int,
-    beam_length: int,
+    beam: BeamConfig,
     max_tokens: int = 256,
     batch_size: int = 1,
 ) -> TauResult:
     """Decode the prompts greedily and count tokens per target step (bonus included).
+
+    beam is the tree (drafter beams and lookup beams; `PLAIN_DECODING` with
+    `drafter=None` for the baseline); lookup beams read the drafter's n-gram table
+    when it has one and the config allows it.
 
     batch_size 1 decodes each prompt alone with `stream_generate`; larger batches
     use `stream_batch` (the same loop; greedy tau per row does not depend on the
@@ -1067,8 +1072,7 @@ def measure_tau(
         chunk = [list(p) for p in prompts[start : start + batch_size]]
         options: dict[str, Any] = {
             "max_tokens": max_tokens,
-            "beam_width": beam_width,
-            "beam_length": beam_length,
+            "beam": beam,
         }
         last: dict[int, Any] = {}
         if batch_size == 1:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import mlx_lm_greedy
 from tiny_models import tiny_model, tiny_tokenizer
 
+from mlx_redrafter import distill as distill_module
 from mlx_redrafter.cli import main
+from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.decode import speculative_decode
 from mlx_redrafter.distill import (
     DistillConfig,
     balanced_order,
@@ -18,6 +24,7 @@ from mlx_redrafter.distill import (
     load_distilled,
     shard_paths,
 )
+from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.prompts import PromptRecord, read_prompts
 from mlx_redrafter.target import prepare_target
 
@@ -118,6 +125,11 @@ def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
         distill(model, tokenizer, records, tmp_path / "out", config, batch_size=3, progress=False)
     )
     assert [p.name for p in shards] == ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]
+    # Written through private temporary files (mkstemp: 0600), stored as the umask says.
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path.name
     data = load_distilled([tmp_path / "out"])
     assert sorted(d.id for d in data) == sorted(r.id for r in records)
     # One window of 8 batches holds all 7 prompts: shards come shortest prompt first.
@@ -137,6 +149,38 @@ def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
         json.loads((tmp_path / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
     )
     assert stopped >= 2  # some rows stopped at EOS while others went on
+
+
+def test_distilling_with_a_drafter_and_lookup_beams_writes_the_same_replies(
+    target, tmp_path, monkeypatch
+):
+    """Greedy distillation through the speculative loop (a drafter beam and a lookup
+    beam, as generation's default) stores exactly what plain decoding stores."""
+    model, tokenizer = target
+    records = read_prompts(prompt_file(tmp_path, count=7))
+    config = DistillConfig(max_tokens=12)
+    plain_run = distill(
+        model, tokenizer, records, tmp_path / "plain", config, batch_size=3, progress=False
+    )
+    assert len(list(plain_run)) == 3
+    used = []
+
+    def spy(*args, **kwargs):
+        used.append(args[3])  # the tree each batch was decoded with
+        return speculative_decode(*args, **kwargs)
+
+    monkeypatch.setattr(distill_module, "speculative_decode", spy)
+    mx.random.seed(0)
+    drafter = Drafter.create(model)
+    beam = BeamConfig.parse("1x3+1x7")
+    run = distill(
+        model, tokenizer, records, tmp_path / "drafted", config,
+        batch_size=3, drafter=drafter, beam=beam, progress=False,
+    )  # fmt: skip
+    assert len(list(run)) == 3
+    assert used == [beam] * 3
+    plain = {d.id: d.tokens for d in load_distilled([tmp_path / "plain"])}
+    assert {d.id: d.tokens for d in load_distilled([tmp_path / "drafted"])} == plain
 
 
 def test_an_interrupted_run_resumes_without_losing_or_repeating(target, tmp_path):
@@ -212,6 +256,8 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     args = ["distill", "--prompts", str(prompt_file(tmp_path)), "--output", "o"]
     assert main([*args, "--source-weights", "a:1"]) == 2
     assert "source=weight" in capsys.readouterr().err
+    assert main([*args, "--beams", "2by2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --beams: '2by2' is not a beam shape")
 
 
 def test_two_workers_fill_one_folder_without_overlap(target, tmp_path):

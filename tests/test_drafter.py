@@ -1,6 +1,8 @@
 """The drafter: architecture, the one recurrence, persistence and its errors."""
 
 import json
+import os
+import stat
 
 import mlx.core as mx
 import pytest
@@ -8,6 +10,7 @@ from tiny_models import tiny_model
 
 from mlx_redrafter.beam_search import beam_search
 from mlx_redrafter.drafter import Drafter, DrafterConfig, DrafterError
+from mlx_redrafter.ngrams import NGRAMS_FILE, build_ngram_table
 from mlx_redrafter.train import FitConfig, draft_batch, draft_loss, fit
 
 
@@ -116,6 +119,20 @@ def test_save_load_round_trip_is_exact(model, tmp_path):
         drafter.save(tmp_path / "d")
     drafter.save(tmp_path / "d", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no staging leftovers
+
+
+def test_saved_folders_get_the_umask_permissions_not_the_private_staging_ones(model, tmp_path):
+    """Saving stages in a private temporary folder (mkdtemp: 0700); what lands must
+    be readable like any folder the user makes (umask 022 here: 0755 and 0644)."""
+    old = os.umask(0o022)
+    try:
+        table = build_ngram_table([[1, 2, 3, 4]], order=2, length=2, min_count=1)
+        folder = Drafter(Drafter.create(model).config, ngrams=table).save(tmp_path / "d")
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+        assert modes == {"config.json": 0o644, "model.safetensors": 0o644, NGRAMS_FILE: 0o644}
+    finally:
+        os.umask(old)
 
 
 def test_quantized_drafter_round_trip(model, tmp_path):

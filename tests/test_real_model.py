@@ -80,7 +80,7 @@ def test_default_beam_with_the_shipped_drafter_is_identical_and_fast(smollm2, mt
         assert [t for r in responses for t in r.tokens] == reference
         produced += len(reference)
         steps += responses[-1].steps
-    # 1.93 measured here (10 turns x 128 tokens), 1.80 without the n-gram table
-    # ("1x3+1x7:text"); a random drafter gives ~1.0, and the headline run (64 turns x
-    # 256 tokens, a longer text to look up in) 2.60.
-    assert produced / steps > 1.86
+    # 1.86 measured here (10 turns x 128 tokens) at the default 1x2+1x7, 1.69 without
+    # the n-gram table ("1x2+1x7:text"); a random drafter gives ~1.0, and the headline
+    # run (64 turns x 256 tokens, a longer text to look up in) 2.51.
+    assert produced / steps > 1.77

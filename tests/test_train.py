@@ -17,7 +17,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from mlx_redrafter import train as train_module
 from mlx_redrafter.cli import main
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.target import output_logits, prepare_target
 from mlx_redrafter.train import (
@@ -128,10 +128,8 @@ def test_reduced_vocabulary_and_exit_dim_train_and_decode_faster(data):
     train(model, drafter, sequences, ids, CONFIG, progress=False)
     prompts = [s.tokens[: s.prompt_length] for s in sequences[:6]]
     tokenizer = tiny_tokenizer()
-    tau = measure_tau(
-        model, drafter, tokenizer, prompts, beam_width=2, beam_length=4, max_tokens=24
-    )
-    plain = measure_tau(model, None, tokenizer, prompts, beam_width=1, beam_length=1, max_tokens=24)
+    tau = measure_tau(model, drafter, tokenizer, prompts, beam=BeamConfig(2, 4), max_tokens=24)
+    plain = measure_tau(model, None, tokenizer, prompts, beam=PLAIN_DECODING, max_tokens=24)
     assert plain.tau == 1.0
     assert tau.tau > 1.4  # the drafter is accepted: more than one token per target step
     assert tau.tokens == plain.tokens == 6 * 24
@@ -417,17 +415,19 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
         "--micro-batch-size", "4", "--epochs", "10", "--learning-rate", "1e-2",
         "--validation-fraction", "0.2", "--eval-every", "5", "--tau-prompts", "3",
         "--tau-max-tokens", "12",
-        "--tau-beams", "2x4,1x1", "--export", str(tmp_path / "shipped"),
+        "--tau-beams", "2x4,1x1,0x4+1", "--export", str(tmp_path / "shipped"),
         "--export-dtype", "float16",
     ]  # fmt: skip
     assert main(run) == 0
     err = capsys.readouterr().err
     assert "draft vocabulary: 32 tokens cover" in err
-    assert "top-1 accuracy per draft step 1:" in err and "tau W=2 L=4" in err
+    assert "top-1 accuracy per draft step 1:" in err and "tau 2x4:" in err
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["steps"] == report["total_steps"] > 0
-    assert [t["beam_width"] for t in report["tau"]] == [2, 1]
+    assert [t["beams"] for t in report["tau"]] == ["2x4", "1x1", "0x4+1"]
     assert report["tau"][1]["tau"] == 1.0 and report["tau"][0]["tau"] >= 1.0
+    # A lookup beam alone (no drafter beam) reads the text and the saved n-gram table.
+    assert report["tau"][2]["tau"] > 1.0
     shipped = Drafter.load(tmp_path / "shipped")
     assert shipped.config.draft_vocab_size == 32 and shipped.config.exit_dim == 24
     stored = mx.load(str(tmp_path / "shipped" / "model.safetensors"))

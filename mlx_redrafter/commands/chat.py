@@ -39,8 +39,8 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
 
-    model, drafter, tokenizer = load_from_args(args)
     beam = beam_from_args(args)
+    model, drafter, tokenizer = load_from_args(args)
     session = ChatSession(
         model,
         drafter,

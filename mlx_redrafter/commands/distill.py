@@ -49,8 +49,12 @@ def register(commands: Any) -> None:
         "--drafter",
         help="decode with this drafter (speculative; same output in greedy mode, faster)",
     )
-    parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
-    parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
+    parser.add_argument(
+        "--beams",
+        default=DEFAULT_BEAM.label,
+        help="the tree with --drafter, as in `bench --beams` (WxL, WxL+GxLl, ...; "
+        f"default {DEFAULT_BEAM.label}, the default of generation)",
+    )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
@@ -90,6 +94,10 @@ def _worker(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     worker = _worker(args.worker)
+    try:
+        beam = BeamConfig.parse(args.beams)
+    except ValueError as error:
+        raise ValueError(f"--beams: {error}") from None
     records = read_prompts(args.prompts, strict=args.strict)
     order = balanced_order(records, _weights(args.source_weights), seed=args.seed)
     with warnings.catch_warnings():
@@ -119,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         limit=args.limit,
         worker=worker,
         drafter=drafter,
-        beam=BeamConfig(args.beam_width, args.beam_length),
+        beam=beam,
         progress=not args.quiet,
     ):
         shards += 1

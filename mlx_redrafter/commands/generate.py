@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..config import BeamConfig
-from ..generate import DEFAULT_BEAM, beam_config, format_summary, stream_generate
+from ..generate import DEFAULT_BEAM, format_summary, stream_generate
 from .common import load_from_args
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
@@ -38,26 +38,22 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_beam_arguments(parser: argparse.ArgumentParser) -> None:
-    """--beam-width, --beam-length, --lookup-beams, --lookup-length (read by `beam_from_args`)."""
-    parser.add_argument("--beam-width", type=int, default=DEFAULT_BEAM.beam_width)
-    parser.add_argument("--beam-length", type=int, default=DEFAULT_BEAM.beam_length)
+    """--beams, the tree of each step (read by `beam_from_args`)."""
     parser.add_argument(
-        "--lookup-beams",
-        type=int,
-        default=DEFAULT_BEAM.lookup_beams,
-        help="beams copied from the text so far, beside the drafter's (0: drafter only)",
-    )
-    parser.add_argument(
-        "--lookup-length",
-        type=int,
-        default=DEFAULT_BEAM.lookup_length,
-        help="tokens per lookup beam, the root included (default: "
-        f"{DEFAULT_BEAM.lookup_length or 'the beam length'})",
+        "--beams",
+        default=DEFAULT_BEAM.label,
+        help="the tree: WxL (W drafter beams of L tokens), WxL+GxLl (and G lookup beams "
+        "of Ll tokens from the text or the drafter's n-gram table; ':text' after it: "
+        "the text only), e.g. 2x2, 1x3+1x7, 0x5+1:text (no drafter needed); "
+        f"default {DEFAULT_BEAM.label}",
     )
 
 
 def beam_from_args(args: argparse.Namespace) -> BeamConfig:
-    return beam_config(args.beam_width, args.beam_length, args.lookup_beams, args.lookup_length)
+    try:
+        return BeamConfig.parse(args.beams)
+    except ValueError as error:
+        raise ValueError(f"--beams: {error}") from None
 
 
 def register(commands: Any) -> None:
@@ -89,9 +85,9 @@ def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | li
 
 
 def run(args: argparse.Namespace) -> int:
+    beam = beam_from_args(args)
     model, drafter, tokenizer = load_from_args(args)
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
-    beam = beam_from_args(args)
     started = time.perf_counter()
     last = None
     for response in stream_generate(

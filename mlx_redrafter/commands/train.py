@@ -13,9 +13,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import BeamConfig
+from ..config import PLAIN_DECODING, BeamConfig
 from ..distill import load_distilled
 from ..drafter import Drafter
+from ..generate import DEFAULT_BEAM
 from ..loading import NoShippedDrafterWarning, load, load_drafter
 from ..ngrams import build_ngram_table, save_ngram_table
 from ..prompts import encode_prompt, read_prompts
@@ -34,14 +35,11 @@ from ..train import (
 from .ngrams import training_replies
 
 
-def _beams(text: str) -> list[tuple[int, int]]:
+def _beams(text: str) -> list[BeamConfig]:
     try:
-        beams = [BeamConfig.parse(item) for item in text.split(",")]
+        return [BeamConfig.parse(item) for item in text.split(",")]
     except ValueError as error:
         raise ValueError(f"--tau-beams: {error}") from None
-    if any(beam.lookup_beams for beam in beams):
-        raise ValueError("--tau-beams measures the drafter alone: give WxL shapes (no +G)")
-    return [(beam.beam_width, beam.beam_length) for beam in beams]
 
 
 def register(commands: Any) -> None:
@@ -127,7 +125,10 @@ def register(commands: Any) -> None:
     )
     report.add_argument("--tau-max-tokens", type=int, default=128)
     report.add_argument(
-        "--tau-beams", default="4x4", help="beam shapes WxL, comma-separated (1x1: plain)"
+        "--tau-beams",
+        default=DEFAULT_BEAM.label,
+        help="beam shapes as in `bench --beams` (WxL, WxL+GxLl, ...), comma-separated "
+        f"(1x1: plain; default {DEFAULT_BEAM.label}, the default of generation)",
     )
     report.add_argument(
         "--tau-file", help="decode these JSONL prompts (chat template) instead of held-out ones"
@@ -199,20 +200,19 @@ def _tau_report(
     label: str,
 ) -> list[dict[str, Any]]:
     taus = []
-    for width, length in _beams(args.tau_beams):
-        plain = width == 1 and length == 1
+    for beam in _beams(args.tau_beams):
+        plain = beam == PLAIN_DECODING
         tau = measure_tau(
             model,
             None if plain else drafter,
             tokenizer,
             prompts,
-            beam_width=width,
-            beam_length=length,
+            beam=beam,
             max_tokens=args.tau_max_tokens,
             batch_size=args.tau_batch_size,
         )
-        taus.append({"beam_width": width, "beam_length": length, **asdict(tau)})
-        mode = "plain decoding" if plain else f"W={width} L={length}"
+        taus.append({"beams": beam.label, **asdict(tau)})
+        mode = "plain decoding" if plain else beam.label
         print(
             f"tau {mode}: {tau.tau:.3f} tokens/step over {tau.prompts} prompts of {label} "
             f"({tau.tokens} tokens, {tau.steps} target steps; {tau.tokens_per_second:.1f} "
@@ -345,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
         held = split_validation(ids, config.validation_fraction, config.seed)
         held_out = [s.tokens[: s.prompt_length] for s, h in zip(sequences, held) if h]
         prompts, label = _tau_prompts(args, tokenizer, held_out)
-        summary["tau"] = _tau_report(args, model, drafter, tokenizer, prompts, label)
+        saved = Drafter.load(output / "drafter")  # what was written, n-gram table included
+        summary["tau"] = _tau_report(args, model, saved, tokenizer, prompts, label)
     (output / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
