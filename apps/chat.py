@@ -159,7 +159,7 @@ class ChatSession:
             f"speed: {last.generation_tps:.1f} tokens/s "
             f"(prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tokens/s)",
         ]
-        if self.drafter is None:
+        if self.drafter is None and self.beam.beam_width > 0:  # as speculative_decode decides
             lines.append("speed-up: 1.00x (plain decoding: no drafter loaded)")
         elif last.steps:
             plain = self.measure_plain_step()

@@ -23,7 +23,7 @@ def fsync_path(path: Path) -> None:
 def match_umask(path: str | os.PathLike[str]) -> None:
     """Give a file or folder made by `tempfile.mkstemp`/`mkdtemp` (0600/0700, private)
     the permissions `open`/`mkdir` would have given it under the process umask."""
-    umask = os.umask(0o022)  # read it: the only portable way sets it too
+    umask = os.umask(0o077)  # read it (the only portable way sets it; strictest meanwhile)
     os.umask(umask)
     base = 0o777 if os.path.isdir(path) else 0o666
     os.chmod(path, base & ~umask)

@@ -125,8 +125,9 @@ def _settings(
     lookup_length: int | None,
     stop: Sequence[str] | str | None,
     drafter: Drafter | None,
+    beam: BeamConfig | None,
 ) -> tuple[BeamConfig, SamplingConfig, StopConfig]:
-    beam = beam_config(beam_width, beam_length, lookup_beams, lookup_length)
+    beam = beam or beam_config(beam_width, beam_length, lookup_beams, lookup_length)
     if drafter is not None and beam.beam_width > drafter.config.output_size:
         raise ValueError(
             f"beam_width {beam.beam_width} exceeds the drafter's vocabulary of "
@@ -194,7 +195,7 @@ def stream_batch(
     when given.
     """
     encoded = [_encode(tokenizer, prompt) for prompt in prompts]
-    beam_config, sampling, stop_config = _settings(
+    beam, sampling, stop_config = _settings(
         tokenizer,
         max_tokens,
         temperature,
@@ -206,8 +207,8 @@ def stream_batch(
         lookup_length,
         stop,
         drafter,
+        beam,
     )
-    beam_config = beam or beam_config
     prepare_target(model)
     vocab_size = model.model.embed_tokens.weight.shape[0]
     _check_inputs(model, drafter, encoded, vocab_size)
@@ -228,7 +229,7 @@ def stream_batch(
             )
         return
     events = speculative_decode(
-        model, drafter, encoded, beam_config, sampling, stop_config, cache, key, stopped_rows
+        model, drafter, encoded, beam, sampling, stop_config, cache, key, stopped_rows
     )
     for event in events:
         for position, row in enumerate(event.row_ids):

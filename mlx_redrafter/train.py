@@ -223,6 +223,7 @@ def compute_hidden(
         window.hidden = np.array(hidden[0, start:])
         if path is not None:
             fd, temp = tempfile.mkstemp(prefix=".hidden-", suffix=".npy", dir=path.parent)
+            match_umask(temp)
             with os.fdopen(fd, "wb") as f:
                 np.save(f, window.hidden)
             os.replace(temp, path)

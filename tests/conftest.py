@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -66,6 +67,15 @@ def decode_tokens(
         for row, tokens in zip(event.row_ids, event.tokens):
             outputs[row].extend(tokens)
     return outputs, events
+
+
+@pytest.fixture
+def umask_022():
+    """The process umask set to 022 for one test (files 0644, folders 0755), so that a
+    file left with a private temporary file's 0600 (or a folder's 0700) is caught."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
 
 
 def random_prompts(count, seed=0, vocab_size=VOCAB_SIZE, lengths=(1, 9)):

@@ -8,6 +8,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 import mlx_redrafter
 from mlx_redrafter import Drafter, batch_generate, generate, stream_generate
 from mlx_redrafter.cli import main as cli_main
+from mlx_redrafter.config import BeamConfig
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +165,8 @@ def test_reduced_draft_vocabulary_decodes_losslessly(setup):
     assert [t for r in out for t in r.tokens] == reference
     with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
         generate(model, drafter, tokenizer, prompts[0], beam_width=11, beam_length=2)
+    with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
+        generate(model, drafter, tokenizer, prompts[0], beam=BeamConfig(11, 2))
 
 
 def test_load_from_folders(tmp_path, setup):

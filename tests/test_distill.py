@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 
 import mlx.core as mx
@@ -117,7 +116,7 @@ def test_length_batches_sort_within_windows_and_keep_the_order_across_them():
         length_batches(lengths, 2, 0)
 
 
-def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
+def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path, umask_022):
     model, tokenizer = target
     records = read_prompts(prompt_file(tmp_path, count=7))
     config = DistillConfig(max_tokens=12)
@@ -126,10 +125,8 @@ def test_distilled_sequences_are_the_targets_greedy_replies(target, tmp_path):
     )
     assert [p.name for p in shards] == ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]
     # Written through private temporary files (mkstemp: 0600), stored as the umask says.
-    umask = os.umask(0o022)
-    os.umask(umask)
     for path in (tmp_path / "out").iterdir():
-        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path.name
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path.name
     data = load_distilled([tmp_path / "out"])
     assert sorted(d.id for d in data) == sorted(r.id for r in records)
     # One window of 8 batches holds all 7 prompts: shards come shortest prompt first.

@@ -1,7 +1,6 @@
 """The drafter: architecture, the one recurrence, persistence and its errors."""
 
 import json
-import os
 import stat
 
 import mlx.core as mx
@@ -121,18 +120,16 @@ def test_save_load_round_trip_is_exact(model, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no staging leftovers
 
 
-def test_saved_folders_get_the_umask_permissions_not_the_private_staging_ones(model, tmp_path):
+def test_saved_folders_get_the_umask_permissions_not_the_private_staging_ones(
+    model, tmp_path, umask_022
+):
     """Saving stages in a private temporary folder (mkdtemp: 0700); what lands must
     be readable like any folder the user makes (umask 022 here: 0755 and 0644)."""
-    old = os.umask(0o022)
-    try:
-        table = build_ngram_table([[1, 2, 3, 4]], order=2, length=2, min_count=1)
-        folder = Drafter(Drafter.create(model).config, ngrams=table).save(tmp_path / "d")
-        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o755
-        assert modes == {"config.json": 0o644, "model.safetensors": 0o644, NGRAMS_FILE: 0o644}
-    finally:
-        os.umask(old)
+    table = build_ngram_table([[1, 2, 3, 4]], order=2, length=2, min_count=1)
+    folder = Drafter(Drafter.create(model).config, ngrams=table).save(tmp_path / "d")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644, NGRAMS_FILE: 0o644}
 
 
 def test_quantized_drafter_round_trip(model, tmp_path):

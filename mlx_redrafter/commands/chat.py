@@ -54,12 +54,13 @@ def run(args: argparse.Namespace) -> int:
         system=args.system,
         show_drafts=args.show_drafts,
     )
+    plain = drafter is None and beam.beam_width > 0  # as speculative_decode decides
     mode = (
         "plain decoding (no drafter)"
-        if drafter is None
+        if plain
         else f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
     )
     print(f"chat ({mode}); /help lists the commands, /quit leaves", file=sys.stderr)
-    if args.show_drafts and drafter is not None:
+    if args.show_drafts and not plain:
         print(f"{DRAFTED}green{RESET}: text from drafted tokens the target accepted")
     return run_chat(session, read=terminal_input if sys.stdin.isatty() else input)
