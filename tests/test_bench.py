@@ -16,7 +16,8 @@ from mlx_redrafter.bench import (
     write_result,
 )
 from mlx_redrafter.bench_plots import write_plots
-from mlx_redrafter.commands.bench import parse_beams, parse_sizes
+from mlx_redrafter.commands.bench import parse_sizes
+from mlx_redrafter.commands.common import parse_beam, parse_beams
 from mlx_redrafter.config import BeamConfig
 from mlx_redrafter.prompts import read_prompts
 
@@ -151,6 +152,11 @@ def test_argument_parsing_and_prompt_files(tmp_path):
         BeamConfig(0, 4, lookup_beams=2),
         BeamConfig(1, 2, lookup_beams=1, lookup_length=6),
     )
+    assert parse_beam("1x2+1x7") == BeamConfig(1, 2, lookup_beams=1, lookup_length=7)
+    with pytest.raises(ValueError, match="--beams takes one tree"):
+        parse_beam("1x2+1x7,2x2")
+    with pytest.raises(ValueError, match="^--tau-beams: '4by4'"):
+        parse_beams("4by4", "--tau-beams")
     assert parse_sizes("1,2,4") == (1, 2, 4)
     file = tmp_path / "p.jsonl"
     file.write_text(

@@ -15,18 +15,10 @@ from ..bench import (
     slow_blas_warning,
     write_result,
 )
-from ..config import BeamConfig, SamplingConfig
+from ..config import SamplingConfig
 from ..generate import DEFAULT_BEAM
 from ..prompts import MT_BENCH, encode_prompt, read_prompts
-from .common import load_from_args
-
-
-def parse_beams(text: str) -> tuple[BeamConfig, ...]:
-    """'4x4,1x3+1' -> (BeamConfig(4, 4), BeamConfig(1, 3, lookup_beams=1)); see BeamConfig.parse."""
-    try:
-        return tuple(BeamConfig.parse(item) for item in text.split(","))
-    except ValueError as error:
-        raise ValueError(f"--beams: {error}") from None
+from .common import load_from_args, parse_beams
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from .common import load_from_args
-from .generate import add_beam_arguments, add_model_arguments, beam_from_args
+from .common import load_from_args, parse_beam
+from .generate import add_beam_arguments, add_model_arguments
 
 
 def register(commands: Any) -> None:
@@ -39,7 +39,7 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
 
-    beam = beam_from_args(args)
+    beam = parse_beam(args.beams)
     model, drafter, tokenizer = load_from_args(args)
     session = ChatSession(
         model,

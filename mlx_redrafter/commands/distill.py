@@ -8,11 +8,11 @@ import time
 import warnings
 from typing import Any
 
-from ..config import BeamConfig
 from ..distill import DistillConfig, balanced_order, distill
 from ..generate import DEFAULT_BEAM
 from ..loading import NoShippedDrafterWarning, load
 from ..prompts import read_prompts
+from .common import parse_beam
 
 
 def _weights(text: str | None) -> dict[str, float]:
@@ -94,10 +94,7 @@ def _worker(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     worker = _worker(args.worker)
-    try:
-        beam = BeamConfig.parse(args.beams)
-    except ValueError as error:
-        raise ValueError(f"--beams: {error}") from None
+    beam = parse_beam(args.beams)
     records = read_prompts(args.prompts, strict=args.strict)
     order = balanced_order(records, _weights(args.source_weights), seed=args.seed)
     with warnings.catch_warnings():

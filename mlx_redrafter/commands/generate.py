@@ -7,9 +7,8 @@ import sys
 import time
 from typing import Any
 
-from ..config import BeamConfig
 from ..generate import DEFAULT_BEAM, format_summary, stream_generate
-from .common import load_from_args
+from .common import load_from_args, parse_beam
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -38,7 +37,7 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_beam_arguments(parser: argparse.ArgumentParser) -> None:
-    """--beams, the tree of each step (read by `beam_from_args`)."""
+    """--beams, the tree of each step (read with `common.parse_beam`)."""
     parser.add_argument(
         "--beams",
         default=DEFAULT_BEAM.label,
@@ -47,13 +46,6 @@ def add_beam_arguments(parser: argparse.ArgumentParser) -> None:
         "the text only), e.g. 2x2, 1x3+1x7, 0x5+1:text (no drafter needed); "
         f"default {DEFAULT_BEAM.label}",
     )
-
-
-def beam_from_args(args: argparse.Namespace) -> BeamConfig:
-    try:
-        return BeamConfig.parse(args.beams)
-    except ValueError as error:
-        raise ValueError(f"--beams: {error}") from None
 
 
 def register(commands: Any) -> None:
@@ -85,7 +77,7 @@ def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | li
 
 
 def run(args: argparse.Namespace) -> int:
-    beam = beam_from_args(args)
+    beam = parse_beam(args.beams)
     model, drafter, tokenizer = load_from_args(args)
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
     started = time.perf_counter()

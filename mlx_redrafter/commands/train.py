@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import PLAIN_DECODING, BeamConfig
+from ..config import PLAIN_DECODING
 from ..distill import load_distilled
 from ..drafter import Drafter
 from ..generate import DEFAULT_BEAM
@@ -32,14 +32,8 @@ from ..train import (
     validate,
     vocab_coverage,
 )
+from .common import parse_beams
 from .ngrams import training_replies
-
-
-def _beams(text: str) -> list[BeamConfig]:
-    try:
-        return [BeamConfig.parse(item) for item in text.split(",")]
-    except ValueError as error:
-        raise ValueError(f"--tau-beams: {error}") from None
 
 
 def register(commands: Any) -> None:
@@ -200,7 +194,7 @@ def _tau_report(
     label: str,
 ) -> list[dict[str, Any]]:
     taus = []
-    for beam in _beams(args.tau_beams):
+    for beam in parse_beams(args.tau_beams, "--tau-beams"):
         plain = beam == PLAIN_DECODING
         tau = measure_tau(
             model,
@@ -224,7 +218,7 @@ def _tau_report(
 
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
-    _beams(args.tau_beams)  # check early
+    parse_beams(args.tau_beams, "--tau-beams")  # check early
     if args.ngram_order < 0:
         raise ValueError("--ngram-order must be >= 0 (0: no n-gram table)")
     group = mx.distributed.init()
