@@ -22,7 +22,8 @@ from typing import Any, TextIO
 
 import mlx.nn as nn
 
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
+from mlx_redrafter.decode import decoding_beam
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.generate import GenerationResponse, stream_generate
 from mlx_redrafter.prompts import chat_tokens
@@ -159,7 +160,7 @@ class ChatSession:
             f"speed: {last.generation_tps:.1f} tokens/s "
             f"(prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tokens/s)",
         ]
-        if self.drafter is None and self.beam.beam_width > 0:  # as speculative_decode decides
+        if decoding_beam(self.drafter, self.beam) == PLAIN_DECODING:
             lines.append("speed-up: 1.00x (plain decoding: no drafter loaded)")
         elif last.steps:
             plain = self.measure_plain_step()

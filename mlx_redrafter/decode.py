@@ -206,6 +206,15 @@ def compile_by_default() -> bool:
     return mx.default_device() == mx.gpu
 
 
+def decoding_beam(drafter: Drafter | None, beam: BeamConfig) -> BeamConfig:
+    """The tree a session actually decodes with: without a drafter, drafter beams
+    (W >= 1) mean plain decoding (`PLAIN_DECODING`); lookup beams alone (W = 0) need
+    no drafter and stay as given."""
+    if drafter is None and beam.beam_width > 0:
+        return PLAIN_DECODING
+    return beam
+
+
 def step_functions(
     model: nn.Module,
     drafter: Drafter | None,
@@ -227,8 +236,8 @@ def step_functions(
     beam_length = beam.beam_length
     with_drafter = drafter is not None and beam.beam_width > 0 and beam_length > 1
     # Lookup beams beside the drafter's, or alone (W = 0, or drafter beams of one
-    # token); a beam with drafter beams but no drafter is plain decoding, as in
-    # `speculative_decode`.
+    # token); a beam with drafter beams but no drafter is plain decoding, as
+    # `decoding_beam` decides.
     lookup_length = beam.lookup_beam_length
     may_look_up = drafter is not None or beam.beam_width == 0
     num_lookup = beam.lookup_beams if may_look_up and lookup_length > 1 else 0
@@ -459,8 +468,7 @@ def speculative_decode(
     stopped_rows = stopped_rows if stopped_rows is not None else set()
     if stop.max_tokens == 0 or not prompts:
         return
-    if drafter is None and beam.beam_width > 0:
-        beam = PLAIN_DECODING  # no drafter: plain decoding, unless lookup beams alone (W = 0)
+    beam = decoding_beam(drafter, beam)
     steps = step_functions(model, drafter, beam, compiled, kernels)
     limit = context_length(model)
     started = time.perf_counter()

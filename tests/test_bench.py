@@ -5,7 +5,7 @@ import os
 import sys
 
 import pytest
-from tiny_models import tiny_tokenizer
+from tiny_models import tiny_model, tiny_tokenizer
 
 from mlx_redrafter.bench import (
     BenchConfig,
@@ -17,8 +17,10 @@ from mlx_redrafter.bench import (
 )
 from mlx_redrafter.bench_plots import write_plots
 from mlx_redrafter.commands.bench import parse_sizes
-from mlx_redrafter.commands.common import parse_beam, parse_beams
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.commands.common import describe_tree, parse_beam, parse_beams
+from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
+from mlx_redrafter.decode import decoding_beam
+from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.prompts import read_prompts
 
 
@@ -139,6 +141,19 @@ def test_environment_and_slow_blas_warning():
     assert all(name.startswith(("OPENBLAS_", "MLX_REDRAFTER_")) for name in env["blas_settings"])
     assert slow_blas_warning({**env, "slow_blas": True}).startswith("WARNING")
     assert slow_blas_warning({**env, "slow_blas": False}) is None
+
+
+def test_the_tree_a_session_decodes_with_and_how_commands_name_it():
+    drafter = Drafter.create(tiny_model("llama"))
+    lookup_only = BeamConfig.parse("0x5+1:text")
+    # Without a drafter, drafter beams mean plain decoding; lookup beams alone do not.
+    assert decoding_beam(None, BeamConfig(2, 2)) == PLAIN_DECODING
+    assert decoding_beam(None, lookup_only) == lookup_only
+    assert decoding_beam(drafter, BeamConfig(2, 2)) == BeamConfig(2, 2)
+    assert describe_tree(None, BeamConfig(2, 2)) == "plain decoding"
+    assert describe_tree(drafter, PLAIN_DECODING) == "plain decoding"
+    assert describe_tree(None, lookup_only).startswith("ReDrafter 0x5+1:text ")
+    assert describe_tree(drafter, BeamConfig(2, 2)).startswith("ReDrafter 2x2 ")
 
 
 def test_argument_parsing_and_prompt_files(tmp_path):

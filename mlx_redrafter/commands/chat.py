@@ -6,7 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from .common import load_from_args, parse_beam
+from ..config import PLAIN_DECODING
+from ..decode import decoding_beam
+from .common import describe_tree, load_from_args, parse_beam
 from .generate import add_beam_arguments, add_model_arguments
 
 
@@ -54,12 +56,8 @@ def run(args: argparse.Namespace) -> int:
         system=args.system,
         show_drafts=args.show_drafts,
     )
-    plain = drafter is None and beam.beam_width > 0  # as speculative_decode decides
-    mode = (
-        "plain decoding (no drafter)"
-        if plain
-        else f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
-    )
+    plain = decoding_beam(drafter, beam) == PLAIN_DECODING
+    mode = describe_tree(drafter, beam)
     print(f"chat ({mode}); /help lists the commands, /quit leaves", file=sys.stderr)
     if args.show_drafts and not plain:
         print(f"{DRAFTED}green{RESET}: text from drafted tokens the target accepted")

@@ -9,7 +9,8 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..config import BeamConfig
+from ..config import PLAIN_DECODING, BeamConfig
+from ..decode import decoding_beam
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load
 
@@ -40,3 +41,10 @@ def parse_beam(text: str, option: str = "--beams") -> BeamConfig:
     if len(beams) != 1:
         raise ValueError(f"{option} takes one tree here, e.g. 1x2+1x7; got {text!r}")
     return beams[0]
+
+
+def describe_tree(drafter: Drafter | None, beam: BeamConfig) -> str:
+    """How a session with this drafter and tree decodes, for the user (see `decoding_beam`)."""
+    if decoding_beam(drafter, beam) == PLAIN_DECODING:
+        return "plain decoding"
+    return f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"

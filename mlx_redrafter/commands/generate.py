@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..generate import DEFAULT_BEAM, format_summary, stream_generate
-from .common import load_from_args, parse_beam
+from .common import describe_tree, load_from_args, parse_beam
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -99,14 +99,6 @@ def run(args: argparse.Namespace) -> int:
         last = response
     print()
     if last is not None:
-        plain = drafter is None and beam.beam_width > 0  # as speculative_decode decides
-        mode = (
-            "plain decoding"
-            if plain
-            else f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
-        )
-        print(
-            f"==========\n{mode}\n{format_summary(last, time.perf_counter() - started)}",
-            file=sys.stderr,
-        )
+        summary = format_summary(last, time.perf_counter() - started)
+        print(f"==========\n{describe_tree(drafter, beam)}\n{summary}", file=sys.stderr)
     return 0
