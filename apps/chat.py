@@ -22,8 +22,8 @@ from typing import Any, TextIO
 
 import mlx.nn as nn
 
-from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
-from mlx_redrafter.decode import decoding_beam
+from mlx_redrafter.config import DEFAULT_TREE, TreeConfig
+from mlx_redrafter.decode import plan_step
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.generate import GenerationResponse, stream_generate
 from mlx_redrafter.prompts import chat_tokens
@@ -63,12 +63,13 @@ class ChatSession:
     model: nn.Module
     drafter: Drafter | None
     tokenizer: Any
-    beam: BeamConfig = field(default_factory=BeamConfig)
+    tree: TreeConfig = DEFAULT_TREE
     max_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     system: str | None = None
     show_drafts: bool = False
     out: TextIO = sys.stdout
@@ -91,7 +92,7 @@ class ChatSession:
     def reply(self, user_text: str) -> str:
         """Add the user's turn, stream the model's answer, and keep it in the conversation."""
         self.messages.append({"role": "user", "content": user_text})
-        detokenizer = self.tokenizer.detokenizer
+        drafts = _DraftColours(self.tokenizer.detokenizer)
         pieces: list[str] = []
         last: GenerationResponse | None = None
         stopped = False
@@ -108,12 +109,13 @@ class ChatSession:
                 top_p=self.top_p,
                 top_k=self.top_k,
                 seed=self.seed,
-                beam=self.beam,
+                stop=self.stop,
+                tree=self.tree,
             )
             for response in responses:
                 last = response
                 if self.show_drafts:
-                    self._write_coloured(detokenizer, response)
+                    self._write(drafts.add(response))
                 else:
                     self._write(response.text)
                 pieces.append(response.text)
@@ -122,22 +124,12 @@ class ChatSession:
             close = getattr(responses, "close", None)
             if close is not None:  # end the generator now, not when collected
                 close()
-        if self.show_drafts:
-            detokenizer.finalize()
-            self._write(detokenizer.last_segment)
         self._write(" [stopped]\n" if stopped else "\n")
         text = "".join(pieces)
         self.messages.append({"role": "assistant", "content": text})
         if last is not None:
             self.last = ReplyStats(last, time.perf_counter() - started, stopped)
         return text
-
-    def _write_coloured(self, detokenizer: Any, response: GenerationResponse) -> None:
-        for position, token in enumerate(response.tokens):
-            detokenizer.add_token(token)
-            segment = detokenizer.last_segment
-            drafted = position < response.num_accepted
-            self._write(f"{DRAFTED}{segment}{RESET}" if drafted and segment else segment)
 
     def measure_plain_step(self) -> float:
         """Seconds per plain decoding step on the current conversation (measured once)."""
@@ -160,7 +152,7 @@ class ChatSession:
             f"speed: {last.generation_tps:.1f} tokens/s "
             f"(prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tokens/s)",
         ]
-        if decoding_beam(self.drafter, self.beam) == PLAIN_DECODING:
+        if plan_step(self.tree, self.drafter is not None).plain:
             lines.append("speed-up: 1.00x (plain decoding: no drafter loaded)")
         elif last.steps:
             plain = self.measure_plain_step()
@@ -169,10 +161,40 @@ class ChatSession:
             lines.append(
                 f"speed-up: {speedup:.2f}x = tau {last.tokens_per_step:.2f} x plain step "
                 f"{plain * 1e3:.1f} ms / speculative step {speculative * 1e3:.1f} ms "
-                f"({self.beam.label}; plain step measured "
+                f"({self.tree.label}; plain step measured "
                 f"once on this conversation, {BASELINE_TOKENS} tokens)"
             )
         return "\n".join(lines)
+
+
+class _DraftColours:
+    """The released text of a reply, with the text of drafted tokens the target accepted
+    coloured. Each token's own text comes from a detokenizer of its own; what is shown
+    never runs past the text the session released (so never into a stop string)."""
+
+    def __init__(self, detokenizer: Any):
+        self.detokenizer = detokenizer
+        self.detokenizer.reset()
+        self.pieces: list[tuple[str, bool]] = []  # (text, drafted), not yet shown
+        self.released = 0  # characters released by the session, not yet shown
+
+    def add(self, response: GenerationResponse) -> str:
+        for position, token in enumerate(response.tokens):
+            self.detokenizer.add_token(token)
+            self.pieces.append((self.detokenizer.last_segment, position < response.num_accepted))
+        if response.finish_reason is not None:
+            self.detokenizer.finalize()
+            self.pieces.append((self.detokenizer.last_segment, False))
+        self.released += len(response.text)
+        shown = []
+        while self.pieces and self.released:
+            text, drafted = self.pieces.pop(0)
+            if len(text) > self.released:
+                self.pieces.insert(0, (text[self.released :], drafted))
+                text = text[: self.released]
+            self.released -= len(text)
+            shown.append(f"{DRAFTED}{text}{RESET}" if drafted and text else text)
+        return "".join(shown)
 
 
 def terminal_input(prompt: str) -> str:

@@ -1,16 +1,16 @@
-"""Measurements for the server: step cost by batch size and beam shape, and a load test.
+"""Measurements for the server: step cost by batch size and tree, and a load test.
 
-    python -m apps.loadtest steps [--batch 1,2,4,8] [--beams plain,2x3,4x4]
-        Seconds per decoding step of the decode loop for each batch size and beam shape,
+    python -m mlx_redrafter.apps.loadtest steps [--batch 1,2,4,8] [--tree plain,2x3,4x4]
+        Seconds per decoding step of the decode loop for each batch size and tree,
         and the break-even tau: speculation beats plain decoding at that batch size
         exactly when its tau exceeds (speculative step / plain step). The step cost does
         not depend on the drafter's weights, so an untrained drafter of the shipped
         shape (or --drafter) measures it.
 
-    python -m apps.loadtest http [--clients 1,4,8] [--requests 2] [--max-tokens 48]
+    python -m mlx_redrafter.apps.loadtest http [--clients 1,4,8] [--requests 2] [--max-tokens 48]
         Starts the server on a loopback port (in this process), then for each number of
         concurrent clients sends a bounded number of streamed chat requests per client:
-        speculation off, on with the --beams policy as is ("fixed"), and on with the
+        speculation off, on with the --tree policy as is ("fixed"), and on with the
         speed guard the server uses by default ("guarded"); prints throughput and latency.
 
 Both load the embedded default model unless --model is given. Everything stays on
@@ -31,9 +31,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlx_redrafter.config import PLAIN_DECODING, BeamConfig, CacheConfig
-from mlx_redrafter.decode import decode_step, prefill, step_functions
+from mlx_redrafter.config import DEFAULT_TREE, PLAIN_DECODING, StopConfig, TreeConfig
 from mlx_redrafter.drafter import Drafter
+from mlx_redrafter.session import DecodingSession, Request
 
 FALLBACK_PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -84,46 +84,48 @@ def step_costs(args: argparse.Namespace) -> int:
         drafter = Drafter.create(model, exit_dim=hidden, draft_vocab_size=2048)
     texts = prompts()
     batches = [int(b) for b in args.batch.split(",")]
-    beams = [BeamConfig.parse(b) for b in args.beams.split(",")]
+    trees = [TreeConfig.parse(b) for b in args.tree.split(",")]
     rows: list[dict[str, Any]] = []
+    endless = StopConfig(max_tokens=1 << 30)
     for batch_size in batches:
         encoded = [
             chat_tokens(tokenizer, [{"role": "user", "content": texts[i % len(texts)]}])
             for i in range(batch_size)
         ]
-        functions = [
-            step_functions(model, None if beam == PLAIN_DECODING else drafter, beam)
-            for beam in beams
+        sessions = [
+            DecodingSession(model, None if tree == PLAIN_DECODING else drafter, tree=tree)
+            for tree in trees
         ]
-        states = [prefill(model, encoded, CacheConfig()) for _ in beams]
-        times: list[list[float]] = [[] for _ in beams]
+        for session in sessions:
+            session.add([Request(prompt, stop=endless) for prompt in encoded])
+        times: list[list[float]] = [[] for _ in trees]
         # Interleaved rounds (plain, 2x3, 4x4, plain, ...): load from other jobs on the
         # machine hits every shape alike.
         for index in range(args.warmup + args.steps):
-            for position, (function, state) in enumerate(zip(functions, states)):
+            for position, session in enumerate(sessions):
                 started = time.perf_counter()
-                decode_step(model, function, state)
+                session.step()
                 if index >= args.warmup:
                     times[position].append(time.perf_counter() - started)
-        for beam, seconds in zip(beams, times):
-            name = "plain" if beam == PLAIN_DECODING else beam.label
+        for tree, seconds in zip(trees, times):
+            name = "plain" if tree == PLAIN_DECODING else tree.label
             rows.append(
                 {
                     "batch": batch_size,
-                    "beam": name,
+                    "tree": name,
                     "step_ms": 1e3 * statistics.median(seconds),
                     "min_ms": 1e3 * min(seconds),
                 }
             )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        del states
+        del sessions
         mx.clear_cache()
-    print("| batch | beam | step median (min), ms | break-even tau (median, min) |")
+    print("| batch | tree | step median (min), ms | break-even tau (median, min) |")
     print("| --- | --- | --- | --- |")
     for row in rows:
-        plain = next(r for r in rows if r["batch"] == row["batch"] and r["beam"] == "plain")
+        plain = next(r for r in rows if r["batch"] == row["batch"] and r["tree"] == "plain")
         print(
-            f"| {row['batch']} | {row['beam']} | {row['step_ms']:.0f} ({row['min_ms']:.0f}) | "
+            f"| {row['batch']} | {row['tree']} | {row['step_ms']:.0f} ({row['min_ms']:.0f}) | "
             f"{row['step_ms'] / plain['step_ms']:.2f}, {row['min_ms'] / plain['min_ms']:.2f} |"
         )
     return 0
@@ -218,17 +220,19 @@ def load_round(
 
 
 def http_load(args: argparse.Namespace) -> int:
-    from .batcher import Batcher, BeamPolicy, SpeedGuard
+    from mlx_redrafter.policy import SpeedGuard, TreePolicy
+
+    from .batcher import Batcher
     from .server import BackgroundServer, Server, create_app
 
     model, drafter, tokenizer = load_models(args)
-    if drafter is None and args.beams != "plain":
+    if drafter is None and args.tree != "plain":
         print("note: no drafter: both runs decode plainly", file=sys.stderr)
     deadline = time.monotonic() + args.time_limit
     counts = [int(c) for c in args.clients.split(",")]
-    on = BeamPolicy.parse(args.beams)
+    on = TreePolicy.parse(args.tree)
     modes = [
-        ("off", BeamPolicy(()), None),
+        ("off", TreePolicy(()), None),
         ("on, fixed", on, None),
         ("on, guarded", on, SpeedGuard()),
     ]
@@ -268,7 +272,7 @@ def http_load(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m apps.loadtest",
+        prog="python -m mlx_redrafter.apps.loadtest",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -279,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         help="drafter folder, or 'untrained' for an untrained drafter of the shipped shape",
     )
     sub = parser.add_subparsers(dest="mode", required=True)
-    steps = sub.add_parser("steps", help="step cost by batch size and beam shape")
+    steps = sub.add_parser("steps", help="step cost by batch size and tree")
     steps.add_argument("--batch", default="1,2,4,8")
-    steps.add_argument("--beams", default="plain,2x3,4x4")
+    steps.add_argument("--tree", default="plain,2x3,4x4")
     steps.add_argument("--steps", type=int, default=5)
     steps.add_argument("--warmup", type=int, default=2)
     steps.set_defaults(run=step_costs)
@@ -289,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--clients", default="1,4,8")
     load.add_argument("--requests", type=int, default=2, help="requests per client")
     load.add_argument("--max-tokens", type=int, default=48)
-    load.add_argument("--beams", default="1:3x3,4:2x3", help="policy when speculation is on")
+    load.add_argument(
+        "--tree", default=DEFAULT_TREE.label, help="tree or policy when speculation is on"
+    )
     load.add_argument("--time-limit", type=float, default=1800, help="seconds for everything")
     load.set_defaults(run=http_load)
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ page at `/`. Every request becomes a `Job` of the one `Batcher`; the worker thre
 each step's update to the request's asyncio queue.
 
 Beyond OpenAI's fields, each response carries `redrafter`: tau (tokens per target
-step), drafted tokens accepted, target steps, decoding speed and the beam shape of the
+step), drafted tokens accepted, target steps, decoding speed and the tree of the
 last step. Errors have OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -31,8 +31,9 @@ from starlette.staticfiles import StaticFiles
 
 from mlx_redrafter.config import SamplingConfig
 from mlx_redrafter.prompts import chat_tokens, text_tokens
+from mlx_redrafter.session import Update
 
-from .batcher import Batcher, Job, RowUpdate
+from .batcher import Batcher, Job
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = 512
@@ -283,37 +284,39 @@ class Server:
         self.check_model(body)
         return body
 
-    def redrafter_figures(self, update: RowUpdate) -> dict[str, Any]:
+    def redrafter_figures(self, update: Update) -> dict[str, Any]:
+        metrics = update.metrics
         return {
-            "tokens_per_step": round(update.tokens_per_step, 4),
-            "accepted_tokens": update.accepted_tokens,
-            "steps": update.steps,
-            "generation_tps": round(update.generation_tps, 2),
-            "beam_width": update.beam_width,
-            "beam_length": update.beam_length,
+            "tokens_per_step": round(metrics.tokens_per_step, 4),
+            "accepted_tokens": metrics.accepted,
+            "acceptance_by_depth": [round(a, 4) for a in metrics.acceptance_by_depth],
+            "steps": metrics.steps,
+            "generation_tps": round(metrics.generation_tps, 2),
+            "tree": update.tree.label,
             "batch_size": update.batch_size,
             "speculative": self.batcher.drafter is not None,
         }
 
     @staticmethod
-    def usage(update: RowUpdate) -> dict[str, int]:
+    def usage(update: Update) -> dict[str, int]:
+        metrics = update.metrics
         return {
-            "prompt_tokens": update.prompt_tokens,
-            "completion_tokens": update.generation_tokens,
-            "total_tokens": update.prompt_tokens + update.generation_tokens,
+            "prompt_tokens": metrics.prompt_tokens,
+            "completion_tokens": metrics.generated,
+            "total_tokens": metrics.prompt_tokens + metrics.generated,
         }
 
     def start(
         self, prompt: list[int], settings: Settings, param: str
-    ) -> tuple[Job, asyncio.Queue[RowUpdate]]:
+    ) -> tuple[Job, asyncio.Queue[Update]]:
         problem = self.batcher.check_prompt(prompt)
         if problem is not None:
             code = "context_length_exceeded" if "context" in problem else "invalid_value"
             raise APIError(problem, param=param, code=code)
         loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[RowUpdate] = asyncio.Queue()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
 
-        def deliver(update: RowUpdate) -> None:
+        def deliver(update: Update) -> None:
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
         job = Job(
@@ -328,8 +331,8 @@ class Server:
         return job, updates
 
     async def collect(
-        self, request: Request, job: Job, updates: asyncio.Queue[RowUpdate]
-    ) -> tuple[str, RowUpdate]:
+        self, request: Request, job: Job, updates: asyncio.Queue[Update]
+    ) -> tuple[str, Update]:
         """Wait for the whole reply; a client that goes away cancels its row."""
         pieces = []
         try:
@@ -356,7 +359,7 @@ class Server:
     async def stream(
         self,
         job: Job,
-        updates: asyncio.Queue[RowUpdate],
+        updates: asyncio.Queue[Update],
         chunk: Callable[[str, str | None, dict[str, Any] | None], dict[str, Any]],
         settings: Settings,
         first: dict[str, Any] | None = None,
@@ -476,6 +479,7 @@ class Server:
 
     async def status(self, request: Request) -> Response:
         stats = self.batcher.stats
+        steps = self.batcher.session.stats
         return JSONResponse(
             {
                 "model": self.model_id,
@@ -483,13 +487,13 @@ class Server:
                 "policy": self.batcher.policy.describe(),
                 "active": self.batcher.active,
                 "pending": self.batcher.pending,
-                "steps": stats.steps,
+                "steps": steps.steps,
                 "admitted": stats.admitted,
                 "joined": stats.joined,
                 "finished": stats.finished,
                 "cancelled": stats.cancelled,
-                "largest_batch": stats.largest_batch,
-                "steps_by_beam": dict(stats.steps_by_beam),
+                "largest_batch": steps.largest_batch,
+                "steps_by_tree": dict(steps.steps_by_tree),
                 "context_length": self.batcher.context_limit,
             }
         )

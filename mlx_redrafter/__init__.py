@@ -1,6 +1,6 @@
 """mlx-redrafter: ReDrafter speculative decoding for mlx-lm models."""
 
-from .config import BeamConfig, CacheConfig, SamplingConfig, StopConfig
+from .config import DEFAULT_TREE, CacheConfig, SamplingConfig, StopConfig, TreeConfig
 from .drafter import Drafter, DrafterConfig
 from .generate import (
     GenerationResponse,
@@ -10,17 +10,25 @@ from .generate import (
     stream_generate,
 )
 from .loading import load, load_drafter
+from .policy import SpeedGuard, TreePolicy
+from .session import DecodingSession, Request, Update
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BeamConfig",
+    "DEFAULT_TREE",
     "CacheConfig",
+    "DecodingSession",
     "Drafter",
     "DrafterConfig",
     "GenerationResponse",
+    "Request",
     "SamplingConfig",
+    "SpeedGuard",
     "StopConfig",
+    "TreeConfig",
+    "TreePolicy",
+    "Update",
     "batch_generate",
     "generate",
     "load",

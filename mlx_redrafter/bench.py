@@ -5,9 +5,9 @@ machine noise hits all methods alike. Methods:
 
 * `mlx-lm`: `mlx_lm.stream_generate`, plain decoding: the baseline users have today;
 * `plain`: this project's loop without a drafter (W = L = 1);
-* `redrafter WxL`: the speculative loop at each beam configuration
-  (`WxL+G`: with G lookup beams beside the drafter's W; `WxL+GxLl`: lookup beams of
-  Ll tokens; `0xL+G`: lookup beams alone);
+* `redrafter WxL`: the speculative loop at each tree
+  (`WxL+G`: with G lookup branches beside the drafter's W; `WxL+GxLl`: lookup branches of
+  Ll tokens; `0xL+G`: lookup branches alone);
 * `redrafter WxL unpacked`: the same, verifying all W*L tokens (no prefix sharing).
 
 Every method is timed the same way, from the stream of responses it yields:
@@ -36,10 +36,12 @@ from mlx_lm import batch_generate as mlx_lm_batch_generate
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
-from .decode import PhaseClock, speculative_decode
+from .config import DEFAULT_TREE, PLAIN_DECODING, SamplingConfig, StopConfig, TreeConfig
+from .decode import PhaseClock
 from .drafter import Drafter
-from .generate import DEFAULT_BEAM, stream_batch, stream_generate
+from .generate import stream_batch, stream_generate
+from .metrics import acceptance_by_depth, accepted_counts, throughput, tokens_per_step
+from .session import DecodingSession, Request
 
 SLOW_BLAS_GFLOPS = 30.0
 
@@ -48,14 +50,14 @@ SLOW_BLAS_GFLOPS = 30.0
 class BenchConfig:
     """What to measure.
 
-    beams: the ReDrafter beam configurations to compare.
+    trees: the ReDrafter trees to compare.
     unpacked: also run each configuration without prefix sharing.
     profile_prompts: prompts of a separate pass that splits step time into phases.
-    batch_sizes: batch sweep sizes (empty: no sweep), with the first beam config.
+    batch_sizes: batch sweep sizes (empty: no sweep), with the first tree.
     """
 
     max_tokens: int = 256
-    beams: tuple[BeamConfig, ...] = (DEFAULT_BEAM,)
+    trees: tuple[TreeConfig, ...] = (DEFAULT_TREE,)
     sampling: SamplingConfig = SamplingConfig()
     unpacked: bool = True
     seed: int = 0
@@ -67,7 +69,7 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Method:
     name: str
-    beam: BeamConfig | None  # None: mlx-lm's own stream_generate
+    tree: TreeConfig | None  # None: mlx-lm's own stream_generate
     uses_drafter: bool = False
 
 
@@ -76,13 +78,13 @@ BASELINE = Method("mlx-lm", None)
 
 def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     methods = [BASELINE, Method("plain", PLAIN_DECODING)]
-    for beam in config.beams:
-        if not has_drafter and beam.beam_width > 0:
-            continue  # lookup beams alone (0xL+G) need no drafter
-        name = f"redrafter {beam.label}"
-        methods.append(Method(name, beam, True))
-        if config.unpacked and beam.beam_length > 1:
-            unshared = replace(beam, share_prefixes=False, tree_budget=None)
+    for tree in config.trees:
+        if not has_drafter and tree.beam_width > 0:
+            continue  # lookup branches alone (0xL+G) need no drafter
+        name = f"redrafter {tree.label}"
+        methods.append(Method(name, tree, True))
+        if config.unpacked and tree.beam_length > 1:
+            unshared = replace(tree, share_prefixes=False, tree_budget=None)
             methods.append(Method(f"{name} unpacked", unshared, True))
     return methods
 
@@ -107,11 +109,11 @@ class Run:
 
     @property
     def decode_tps(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        return throughput(self.decode_tokens, self.decode_seconds)
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / max(self.time_to_first_response, 1e-9)
+        return throughput(self.prompt_tokens, self.time_to_first_response)
 
 
 def run_method(
@@ -133,7 +135,7 @@ def run_method(
     produced = 0.0
     started = time.perf_counter()
     sampling = config.sampling
-    if method.beam is None:
+    if method.tree is None:
         mx.random.seed(config.seed)
         sampler = make_sampler(sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         eos = tokenizer.eos_token_ids
@@ -157,7 +159,7 @@ def run_method(
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             seed=config.seed,
-            beam=method.beam,
+            tree=method.tree,
         ):
             stamps.append(time.perf_counter())
             chunks.append(response.tokens)
@@ -194,22 +196,19 @@ def profile_phases(
 
     A separate pass with a host sync after each phase (so it is not timed for speed).
     """
-    if method.beam is None or not prompts:
+    if method.tree is None or not prompts:
         return {}
     clock = PhaseClock()
+    session = DecodingSession(
+        model, drafter if method.uses_drafter else None, tree=method.tree, clock=clock
+    )
     total = 0.0
+    stop = StopConfig(max_tokens=config.max_tokens)
     for prompt in prompts:
-        for event in speculative_decode(
-            model,
-            drafter if method.uses_drafter else None,
-            [prompt],
-            method.beam,
-            config.sampling,
-            StopConfig(max_tokens=config.max_tokens),
-            key=mx.random.key(config.seed),
-            clock=clock,
-        ):
-            total += event.step_seconds
+        key = mx.random.key(config.seed)
+        for update in session.run([Request(prompt, config.sampling, stop, key)]):
+            if update.finish_reason is not None:
+                total += update.metrics.decode_seconds
     draft = clock.seconds.get("draft", 0.0)
     verify = clock.seconds.get("verify", 0.0)
     total = max(total, 1e-9)
@@ -225,7 +224,7 @@ def tau_by_category(runs: Sequence[Run], categories: Sequence[str]) -> dict[str,
         category = categories[run.prompt]
         produced[category] = produced.get(category, 0.0) + run.produced_tokens
         steps[category] = steps.get(category, 0) + run.steps
-    return {c: produced[c] / steps[c] if steps[c] else 0.0 for c in produced}
+    return {c: tokens_per_step(produced[c], steps[c]) for c in produced}
 
 
 def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str, Any]:
@@ -237,11 +236,11 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
     accepted = [a for r in runs for a in r.accepted]
     summary: dict[str, Any] = {
         "method": method.name,
-        "beam_width": method.beam.beam_width if method.beam else 1,
-        "beam_length": method.beam.beam_length if method.beam else 1,
-        "lookup_beams": method.beam.lookup_beams if method.beam else 0,
-        "lookup_length": method.beam.lookup_beam_length if method.beam else 1,
-        "share_prefixes": method.beam.share_prefixes if method.beam else True,
+        "beam_width": method.tree.beam_width if method.tree else 1,
+        "beam_length": method.tree.beam_length if method.tree else 1,
+        "lookup_branches": method.tree.lookup_branches if method.tree else 0,
+        "lookup_length": method.tree.lookup_branch_length if method.tree else 1,
+        "share_prefixes": method.tree.share_prefixes if method.tree else True,
         "prompts": len(runs),
         "generated_tokens": sum(len(r.tokens) for r in runs),
         "decode_tps": mean_tps,
@@ -253,7 +252,7 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
             "max": max(ratios, default=0.0),
             "stdev": statistics.pstdev(ratios) if len(ratios) > 1 else 0.0,
         },
-        "tau": sum(r.produced_tokens for r in runs) / steps if steps else 0.0,
+        "tau": tokens_per_step(sum(r.produced_tokens for r in runs), steps),
         "peak_memory_gb": max(r.peak_memory_gb for r in runs),
         "match_rate": (
             statistics.fmean(1.0 if r.matches_baseline else 0.0 for r in runs)
@@ -261,15 +260,13 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
             else None
         ),
     }
-    if method.beam is not None and accepted:
-        length = method.beam.longest_beam
-        summary["acceptance_by_position"] = [
-            sum(a >= k for a in accepted) / len(accepted) for k in range(1, length)
-        ]
+    if method.tree is not None and accepted:
+        counts = accepted_counts(accepted, method.tree.depth)
+        summary["acceptance_by_position"] = acceptance_by_depth(counts)
         trees = [t for r in runs for t in r.tree_sizes]
-        unpacked_size = replace(method.beam, share_prefixes=False, tree_budget=None).num_packed
+        unpacked_size = replace(method.tree, share_prefixes=False, tree_budget=None).num_packed
         summary["tree_compression"] = statistics.fmean(trees) / unpacked_size
-        summary["accepted_histogram"] = [accepted.count(k) for k in range(length)]
+        summary["accepted_histogram"] = counts
     return summary
 
 
@@ -338,7 +335,7 @@ def batch_sweep(
 ) -> list[dict[str, Any]]:
     """Throughput (generated tokens / wall-clock, prefill included) at each batch size."""
     rows = []
-    beam = config.beams[0]
+    tree = config.trees[0]
     for batch_size in config.batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(batch_size)]
         started = time.perf_counter()
@@ -362,7 +359,7 @@ def batch_sweep(
                 tokenizer,
                 batch,
                 max_tokens=config.max_tokens,
-                beam=beam,
+                tree=tree,
             ):
                 count += len(piece.tokens)
             row[f"{name}_tps"] = count / (time.perf_counter() - started)
@@ -423,7 +420,7 @@ def run_benchmark(
         "environment": env,
         "config": {
             "max_tokens": config.max_tokens,
-            "beams": [asdict(b) for b in config.beams],
+            "trees": [asdict(b) for b in config.trees],
             "sampling": asdict(config.sampling),
             "seed": config.seed,
             "prompts": len(prompts),

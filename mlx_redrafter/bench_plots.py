@@ -21,14 +21,14 @@ def _pyplot() -> Any:
 
 
 def _speculative(summary: list[dict[str, Any]], with_lookup: bool) -> list[dict[str, Any]]:
-    """The packed speculative methods (those with lookup beams only if `with_lookup`)."""
+    """The packed speculative methods (those with lookup branches only if `with_lookup`)."""
     return [
         s
         for s in summary
         if s.get("accepted_histogram")
         and s["share_prefixes"]
         and s["beam_length"] > 1
-        and (with_lookup or not s.get("lookup_beams"))
+        and (with_lookup or not s.get("lookup_branches"))
     ]
 
 

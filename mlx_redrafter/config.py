@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
-class BeamConfig:
-    """The drafter's beam search and the tree the target verifies.
+class TreeConfig:
+    """The tree of a step: the drafter's beams and the lookup branches that the target
+    verifies together (notation `WxL+GxLl`, see `parse`).
 
-    beam_width: W, the drafter's candidate continuations per step.
+    beam_width: W, the drafter's candidate continuations (beams) per step.
     beam_length: L, tokens per beam; the first is the target's own token, so each
         beam holds L - 1 drafted tokens and a step emits at most L tokens.
     share_prefixes: pack the beams into a prefix tree so every distinct prefix is
@@ -18,15 +19,15 @@ class BeamConfig:
     tree_budget: the number of packed tokens N the target verifies per step
         (a static shape). None means every distinct prefix fits: 1 + (W+G)*(L-1) with
         sharing, (W+G)*L without. A smaller budget drops the lowest-ranked beams' tails.
-    lookup_beams: G more beams copied from each row's own text (prompt and output
-        so far): what followed the most recent earlier occurrences of its newest
-        n-gram (`lookup.lookup_beams`). They join the drafter's W beams in the tree;
+    lookup_branches: G continuations copied from each row's own text (prompt and
+        output so far): what followed the most recent earlier occurrences of its newest
+        n-gram (`lookup.lookup_branches`). They join the drafter's W beams in the tree;
         0 drafts with the drafter alone. W may be 0 when G >= 1.
     lookup_ngram: the longest n-gram the lookup matches (it falls back to shorter).
-    lookup_length: Ll, tokens per lookup beam, the root included (None: L). A match
+    lookup_length: Ll, tokens per lookup branch, the root included (None: L). A match
         tends to hold for many tokens while the drafter's acceptance decays with
-        depth, so short drafter beams and long lookup beams make a small tree.
-    lookup_table: a lookup beam with no match in the row's text takes the
+        depth, so short drafter beams and long lookup branches make a small tree.
+    lookup_table: a lookup branch with no match in the row's text takes the
         continuation the drafter's n-gram table knows (`ngrams.py`), when the drafter
         ships one; False keeps the drafter's best beam there (written ':text').
     """
@@ -35,18 +36,18 @@ class BeamConfig:
     beam_length: int = 4
     share_prefixes: bool = True
     tree_budget: int | None = None
-    lookup_beams: int = 0
+    lookup_branches: int = 0
     lookup_ngram: int = 3
     lookup_length: int | None = None
     lookup_table: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("beam_width", "lookup_beams"):
+        for name in ("beam_width", "lookup_branches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.beam_width + self.lookup_beams < 1:
-            raise ValueError("a beam config needs beam_width >= 1 or lookup_beams >= 1")
+        if self.beam_width + self.lookup_branches < 1:
+            raise ValueError("a tree needs beam_width >= 1 or lookup_branches >= 1")
         if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 1:
             raise ValueError(f"lookup_ngram must be an integer >= 1, got {self.lookup_ngram!r}")
         if not isinstance(self.beam_length, int) or self.beam_length < 1:
@@ -58,11 +59,13 @@ class BeamConfig:
                 f"lookup_length must be an integer >= 1 (or None: beam_length), "
                 f"got {self.lookup_length!r}"
             )
-        if self.lookup_length is not None and not self.lookup_beams:
-            raise ValueError("lookup_length is the length of lookup beams: set lookup_beams >= 1")
+        if self.lookup_length is not None and not self.lookup_branches:
+            raise ValueError(
+                "lookup_length is the length of lookup branches: set lookup_branches >= 1"
+            )
         if self.lookup_length == self.beam_length:
             object.__setattr__(self, "lookup_length", None)  # one spelling of one config
-        if not self.lookup_beams:
+        if not self.lookup_branches:
             object.__setattr__(self, "lookup_table", True)
         if self.tree_budget is not None and not (
             self.beam_length <= self.tree_budget <= self.max_tree_size
@@ -74,30 +77,30 @@ class BeamConfig:
             )
 
     @property
-    def num_beams(self) -> int:
+    def num_branches(self) -> int:
         """W + G: the beams of a step's tree, the drafter's first."""
-        return self.beam_width + self.lookup_beams
+        return self.beam_width + self.lookup_branches
 
     @property
-    def lookup_beam_length(self) -> int:
-        """Ll: tokens per lookup beam, the root included."""
+    def lookup_branch_length(self) -> int:
+        """Ll: tokens per lookup branch, the root included."""
         return self.beam_length if self.lookup_length is None else self.lookup_length
 
     @property
-    def longest_beam(self) -> int:
+    def depth(self) -> int:
         """The most tokens a step can emit: the longest beam's length."""
-        if self.lookup_beams:
-            return max(self.beam_length, self.lookup_beam_length)
+        if self.lookup_branches:
+            return max(self.beam_length, self.lookup_branch_length)
         return self.beam_length
 
     @property
     def max_tree_size(self) -> int:
         """Most packed tokens a tree of these beams can need."""
         drafted = self.beam_width * (self.beam_length - 1)
-        looked_up = self.lookup_beams * (self.lookup_beam_length - 1)
+        looked_up = self.lookup_branches * (self.lookup_branch_length - 1)
         if self.share_prefixes:
             return 1 + drafted + looked_up
-        return drafted + looked_up + self.num_beams
+        return drafted + looked_up + self.num_branches
 
     @property
     def num_packed(self) -> int:
@@ -106,30 +109,30 @@ class BeamConfig:
 
     @property
     def label(self) -> str:
-        """'WxL'; 'WxL+G' with G lookup beams of L tokens; 'WxL+GxLl' with G lookup
+        """'WxL'; 'WxL+G' with G lookup branches of L tokens; 'WxL+GxLl' with G lookup
         beams of Ll tokens; ':text' when they do not use the n-gram table (what
         `parse` reads)."""
         shape = f"{self.beam_width}x{self.beam_length}"
-        if not self.lookup_beams:
+        if not self.lookup_branches:
             return shape
         source = "" if self.lookup_table else ":text"
-        if self.lookup_beam_length == self.beam_length:
-            return f"{shape}+{self.lookup_beams}{source}"
-        return f"{shape}+{self.lookup_beams}x{self.lookup_beam_length}{source}"
+        if self.lookup_branch_length == self.beam_length:
+            return f"{shape}+{self.lookup_branches}{source}"
+        return f"{shape}+{self.lookup_branches}x{self.lookup_branch_length}{source}"
 
     @classmethod
-    def parse(cls, text: str) -> BeamConfig:
-        """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup beam of 3 tokens;
-        '1x3+1x6' -> the same with a lookup beam of 6 tokens; '1x3+1x6:text' -> the
-        lookup beam without the n-gram table; 'plain' -> 1x1."""
+    def parse(cls, text: str) -> TreeConfig:
+        """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup branch of 3 tokens;
+        '1x3+1x6' -> the same with a lookup branch of 6 tokens; '1x3+1x6:text' -> the
+        lookup branch without the n-gram table; 'plain' -> 1x1."""
         item = text.strip().lower()
         if item == "plain":
             return PLAIN_DECODING
         item, colon, source = item.partition(":")
         if colon and (source != "text" or "+" not in item):
             raise ValueError(
-                f"{text!r}: ':text' (lookup beams from the text alone) follows a shape "
-                "with lookup beams, e.g. 1x3+1x7:text"
+                f"{text!r}: ':text' (lookup branches from the text alone) follows a shape "
+                "with lookup branches, e.g. 1x3+1x7:text"
             )
         shape, plus, lookup = item.partition("+")
         width, sep, length = shape.partition("x")
@@ -139,21 +142,38 @@ class BeamConfig:
         )
         if not sep or not all(number.isdigit() for number in numbers):
             raise ValueError(
-                f"{text!r} is not a beam shape: write WxL (drafter beams x beam length, "
-                "e.g. 2x2), WxL+G (G more beams looked up in the text, e.g. 1x3+1) or "
-                "WxL+GxLl (lookup beams of Ll tokens, e.g. 1x3+1x6; ':text' after it "
+                f"{text!r} is not a tree: write WxL (drafter beams x beam length, "
+                "e.g. 2x2), WxL+G (G lookup branches from the text, e.g. 1x3+1) or "
+                "WxL+GxLl (lookup branches of Ll tokens, e.g. 1x3+1x6; ':text' after it "
                 "leaves the n-gram table out)"
             )
         return cls(
             int(width),
             int(length),
-            lookup_beams=int(count or 0),
+            lookup_branches=int(count or 0),
             lookup_length=int(lookup_length) if lookup_sep else None,
             lookup_table=not colon,
         )
 
 
-PLAIN_DECODING = BeamConfig(beam_width=1, beam_length=1)
+PLAIN_DECODING = TreeConfig(beam_width=1, beam_length=1)
+
+# The default tree of the API, the CLI, the chat app, the server and the benchmark:
+# one drafter beam of 2 tokens (the root and one drafted token) and one lookup branch
+# of 7 (N = 8 packed tokens), `1x2+1x7`: the fastest tree measured on the development
+# machine with the shipped SmolLM2 drafter (docs/performance.md).
+DEFAULT_TREE = TreeConfig(beam_width=1, beam_length=2, lookup_branches=1, lookup_length=7)
+
+
+def as_tree(tree: TreeConfig | str | None) -> TreeConfig:
+    """A tree from a TreeConfig, its notation ('1x2+1x7', 'plain') or None (the default)."""
+    if tree is None:
+        return DEFAULT_TREE
+    if isinstance(tree, str):
+        return TreeConfig.parse(tree)
+    if not isinstance(tree, TreeConfig):
+        raise ValueError(f"tree must be a TreeConfig or a string like '1x2+1x7', got {tree!r}")
+    return tree
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,20 @@
-"""The speculative decoding loop, at the level of token ids.
+"""The decoding step at the level of token ids, for a batch of rows.
 
-prefill -> [draft (beam search) -> pack tree -> verify -> accept -> commit cache
--> yield] per step. Shapes: B batch, W beam width, L beam length, N packed
-tokens, D hidden, V vocabulary.
+`prefill` commits the prompts; `plan_step` derives once what a step of a tree does;
+`decode_step` runs one step: draft (beam search, lookup) -> pack tree -> verify ->
+accept -> commit cache. The session (`session.py`) drives these and yields.
+Shapes: B batch, W beam width, L beam length, G lookup branches, N packed tokens,
+D hidden, V vocabulary.
 
-Plain autoregressive decoding is the same loop with W = L = 1 and no drafter:
+Plain autoregressive decoding is the same step with W = L = 1 and no drafter:
 the tree is the single root token, and every step emits the target's choice.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
@@ -20,13 +22,13 @@ import mlx.nn as nn
 
 from .accept import Acceptance
 from .beam_search import beam_search
-from .config import PLAIN_DECODING, BeamConfig, CacheConfig, SamplingConfig, StopConfig
+from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
-from .lookup import lookup_beams
-from .ngrams import table_beams
+from .lookup import lookup_branches
+from .ngrams import table_branches
 from .sampling import choose_tokens, choose_tokens_quickly, position_keys
-from .target import TargetCache, context_length, target_forward, target_hidden
+from .target import TargetCache, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
 
 GREEDY = SamplingConfig()
@@ -44,7 +46,9 @@ class DecodeState:
     keys: (B, 2) each row's PRNG key; the token at position p is sampled with noise
         keyed by (key, p) (`sampling.position_keys`), so it never depends on the steps.
     history: (B, capacity) each row's tokens so far, prompt and output: the committed
-        ones at [0, lengths[b]), the root at lengths[b] (what lookup beams search).
+        ones at [0, lengths[b]), the root at lengths[b] (what lookup branches search).
+    drafted: the next step's candidates, drafted ahead (`prefetch`), with the step
+        functions that drafted them.
     """
 
     cache: TargetCache
@@ -54,10 +58,26 @@ class DecodeState:
     sampling: list[SamplingConfig]
     keys: mx.array
     history: mx.array
+    drafted: tuple[StepFunctions, mx.array] | None = None
+
+    def prefetch(self, steps: StepFunctions, beams: mx.array) -> None:
+        """Keep the next step's candidates (B, W + G, L), drafted ahead and evaluated
+        asynchronously while the host works."""
+        mx.async_eval(beams)
+        self.drafted = (steps, beams)
+
+    def take_draft(self, steps: StepFunctions) -> mx.array | None:
+        """The candidates drafted ahead for `steps`, once; None if there are none."""
+        drafted, self.drafted = self.drafted, None
+        if drafted is None or drafted[0] is not steps:
+            return None
+        return drafted[1]
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows at the given positions."""
         index = mx.array(rows, dtype=mx.int32)
+        if self.drafted is not None:
+            self.drafted = (self.drafted[0], self.drafted[1][index])
         self.cache.select_rows(rows)
         self.root_tokens = self.root_tokens[index]
         self.hidden = self.hidden[index]
@@ -68,6 +88,7 @@ class DecodeState:
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
+        self.drafted = None
         self.cache.extend(other.cache)
         self.root_tokens = mx.concatenate([self.root_tokens, other.root_tokens])
         self.hidden = mx.concatenate([self.hidden, other.hidden.astype(self.hidden.dtype)])
@@ -180,19 +201,73 @@ def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array
 
 
 @dataclass(frozen=True)
+class StepPlan:
+    """What a step of one (tree, drafter) does, derived once from the config.
+
+    tree: the tree as asked for; drafts: the drafter's W beams of L tokens take part
+    (a drafter, W >= 1, L > 1); lookup_branches, lookup_length: the G lookup branches
+    of Ll tokens that take part (0: none); num_packed: N, the packed tokens verified
+    per step (1: plain decoding); share_prefixes: pack each distinct prefix once;
+    lookup_table: lookup branches without a match use the drafter's n-gram table.
+    Without a drafter, drafter beams (W >= 1) mean plain decoding, while lookup
+    branches alone (W = 0) need no drafter and stay.
+    """
+
+    tree: TreeConfig
+    drafts: bool
+    lookup_branches: int
+    lookup_length: int
+    num_packed: int
+    share_prefixes: bool
+    lookup_table: bool
+
+    @property
+    def plain(self) -> bool:
+        """True when every step verifies the root alone (one token per step)."""
+        return self.num_packed == 1
+
+    @property
+    def depth(self) -> int:
+        """The most tokens a step can emit."""
+        if self.plain:
+            return 1
+        lengths = [self.tree.beam_length] if self.drafts else []
+        return max(lengths + ([self.lookup_length] if self.lookup_branches else []))
+
+
+def plan_step(tree: TreeConfig, has_drafter: bool) -> StepPlan:
+    """The plan of every step of a session decoding with `tree` (see `StepPlan`)."""
+    drafts = has_drafter and tree.beam_width > 0 and tree.beam_length > 1
+    may_look_up = has_drafter or tree.beam_width == 0
+    lookup_length = tree.lookup_branch_length
+    branches = tree.lookup_branches if may_look_up and lookup_length > 1 else 0
+    speculates = drafts or branches > 0
+    return StepPlan(
+        tree=tree,
+        drafts=drafts,
+        lookup_branches=branches,
+        lookup_length=lookup_length,
+        num_packed=tree.num_packed if speculates else 1,
+        share_prefixes=tree.share_prefixes or not speculates,
+        lookup_table=has_drafter and tree.lookup_table,
+    )
+
+
+@dataclass(frozen=True)
 class StepFunctions:
-    """The per-step device functions for one (drafter, beam config), built once.
+    """The per-step device functions of one `StepPlan`, built once.
 
     draft: (hidden (B, D), root_tokens (B,)) -> the drafter's beams (B, W, L)
         (one beam of the root repeated when there are none)
     lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, max(L, Ll)),
-        the drafter's beams then G lookup beams, the shorter ones padded with ABSENT;
-        None without lookup beams
-    pack: beams (B, W + G, max(L, Ll)) -> PackedTree with N = beam.num_packed
+        the drafter's beams then G lookup branches, the shorter ones padded with
+        ABSENT; None without lookup branches
+    pack: beams (B, W + G, max(L, Ll)) -> PackedTree with N = plan.num_packed
     accept: (beams, unpack, canonical, choices (B, N)) -> Acceptance
     kernels: which implementation expands, packs and accepts ("mlx", "metal", ...)
     """
 
+    plan: StepPlan
     draft: Callable[[mx.array, mx.array], mx.array]
     lookup: Callable[[mx.array, mx.array, mx.array], mx.array] | None
     pack: Callable[[mx.array], PackedTree]
@@ -206,91 +281,76 @@ def compile_by_default() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def decoding_beam(drafter: Drafter | None, beam: BeamConfig) -> BeamConfig:
-    """The tree a session actually decodes with: without a drafter, drafter beams
-    (W >= 1) mean plain decoding (`PLAIN_DECODING`); lookup beams alone (W = 0) need
-    no drafter and stay as given."""
-    if drafter is None and beam.beam_width > 0:
-        return PLAIN_DECODING
-    return beam
-
-
 def step_functions(
     model: nn.Module,
     drafter: Drafter | None,
-    beam: BeamConfig,
+    tree: TreeConfig,
     compiled: bool | None = None,
     kernels: str | Kernels | None = None,
 ) -> StepFunctions:
-    """Build the draft, pack and accept functions of a decoding session.
+    """Build the draft, lookup, pack and accept functions of `plan_step(tree, drafter)`.
 
-    Without a drafter and lookup beams (or with L = 1) the tree is the root token
-    alone: plain decoding.
     compiled: wrap them in mx.compile (None: `compile_by_default()`).
     kernels: "metal", "mlx" or "auto" (None: $MLX_REDRAFTER_KERNELS, default "auto":
         the fused Metal kernels when Metal is available), or a `Kernels` value.
     """
+    plan = plan_step(tree, drafter is not None)
     compiled = compile_by_default() if compiled is None else compiled
     ops = select_kernels(kernels)
-    embed = model.model.embed_tokens
-    beam_length = beam.beam_length
-    with_drafter = drafter is not None and beam.beam_width > 0 and beam_length > 1
-    # Lookup beams beside the drafter's, or alone (W = 0, or drafter beams of one
-    # token); a beam with drafter beams but no drafter is plain decoding, as
-    # `decoding_beam` decides.
-    lookup_length = beam.lookup_beam_length
-    may_look_up = drafter is not None or beam.beam_width == 0
-    num_lookup = beam.lookup_beams if may_look_up and lookup_length > 1 else 0
-    draft: Callable[[mx.array, mx.array], mx.array]
-    if drafter is None or not with_drafter:
-        # No drafter beams: the root alone (plain decoding), or with lookup beams the
-        # root repeated, their fallback.
-        draft = _repeat_root(lookup_length if num_lookup else 1)
-    else:
-
-        def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
-            return beam_search(
-                drafter,
-                embed,
-                hidden,
-                root_tokens,
-                beam.beam_width,
-                beam.beam_length,
-                expand=ops.expand,
-            )
-
-        draft = search
-        if compiled:
-            draft = mx.compile(search, inputs=[drafter.state, embed.state])
-    speculates = with_drafter or num_lookup > 0
-    num_packed = beam.num_packed if speculates else 1
-    share_prefixes = beam.share_prefixes or not speculates
+    draft = _drafter_beams(model, drafter, plan, ops, compiled)
+    lookup = _lookup(drafter, plan)
+    num_packed, share_prefixes = plan.num_packed, plan.share_prefixes
 
     def pack(beams: mx.array) -> PackedTree:
         return ops.pack(beams, num_packed, share_prefixes)
 
-    lookup = None
-    table = drafter.ngrams if drafter is not None and beam.lookup_table else None
-    if num_lookup:
+    if compiled:
+        return StepFunctions(
+            plan, draft, lookup, mx.compile(pack), mx.compile(ops.accept), ops.backend
+        )
+    return StepFunctions(plan, draft, lookup, pack, ops.accept, ops.backend)
 
-        def lookup(beams: mx.array, history: mx.array, lengths: mx.array) -> mx.array:
-            # A row without a match gets the n-gram table's continuation, or the best
-            # drafted beam, cut or padded to Ll.
-            fallback = pad_beams(beams[:, :1], lookup_length)[:, 0]  # (B, Ll)
-            if table is not None:
-                fallback = table_beams(table, history, lengths, fallback)  # (B, Ll)
-            found = lookup_beams(
-                history, lengths, num_lookup, lookup_length, beam.lookup_ngram, fallback
-            )  # (B, G, Ll)
-            if not with_drafter:
-                return found
-            longest = max(beam_length, lookup_length)  # shorter beams end in ABSENT
-            return mx.concatenate([pad_beams(beams, longest), pad_beams(found, longest)], axis=1)
+
+def _drafter_beams(
+    model: nn.Module, drafter: Drafter | None, plan: StepPlan, ops: Kernels, compiled: bool
+) -> Callable[[mx.array, mx.array], mx.array]:
+    """The draft function: beam search in the drafter, or the root repeated (the
+    lookup's fallback, or plain decoding's one-token tree)."""
+    if drafter is None or not plan.drafts:
+        return _repeat_root(plan.lookup_length if plan.lookup_branches else 1)
+    embed = model.model.embed_tokens
+    width, length = plan.tree.beam_width, plan.tree.beam_length
+
+    def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+        return beam_search(drafter, embed, hidden, root_tokens, width, length, expand=ops.expand)
 
     if compiled:
-        pack, accept = mx.compile(pack), mx.compile(ops.accept)
-        return StepFunctions(draft, lookup, pack, accept, ops.backend)
-    return StepFunctions(draft, lookup, pack, ops.accept, ops.backend)
+        return mx.compile(search, inputs=[drafter.state, embed.state])
+    return search
+
+
+def _lookup(
+    drafter: Drafter | None, plan: StepPlan
+) -> Callable[[mx.array, mx.array, mx.array], mx.array] | None:
+    """The lookup function: G branches from each row's text joined to the beams."""
+    if not plan.lookup_branches:
+        return None
+    table = drafter.ngrams if drafter is not None and plan.lookup_table else None
+    count, length, ngram = plan.lookup_branches, plan.lookup_length, plan.tree.lookup_ngram
+    longest = max(plan.tree.beam_length, length)  # shorter beams end in ABSENT
+
+    def lookup(beams: mx.array, history: mx.array, lengths: mx.array) -> mx.array:
+        # A row without a match gets the n-gram table's continuation, or the best
+        # drafted beam, cut or padded to Ll.
+        fallback = pad_beams(beams[:, :1], length)[:, 0]  # (B, Ll)
+        if table is not None:
+            fallback = table_branches(table, history, lengths, fallback)  # (B, Ll)
+        found = lookup_branches(history, lengths, count, length, ngram, fallback)  # (B, G, Ll)
+        if not plan.drafts:
+            return found
+        return mx.concatenate([pad_beams(beams, longest), pad_beams(found, longest)], axis=1)
+
+    return lookup
 
 
 def _repeat_root(beam_length: int) -> Callable[[mx.array, mx.array], mx.array]:
@@ -324,23 +384,37 @@ class PhaseClock:
         self._last = now
 
 
+def draft(steps: StepFunctions, state: DecodeState) -> mx.array:
+    """The step's candidates: the drafter's beams, then the lookup branches,
+    (B, W + G, L); the device work is lazy until evaluated."""
+    beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
+    if steps.lookup is not None:
+        # Draft (context lookup): G more branches from each row's own text.
+        beams = steps.lookup(beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)
+    return beams
+
+
 def decode_step(
     model: nn.Module,
     steps: StepFunctions,
     state: DecodeState,
     clock: PhaseClock | None = None,
+    prefetch: bool = True,
 ) -> StepOutput:
     """One speculative step for every row, with one host sync at the end (a second
     only when greedy choices meet near-equal logits; one per phase when a profiling
-    `clock` is given)."""
-    # Draft: W beams of L tokens, each opened by the row's root token.
-    beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
-    if steps.lookup is not None:
-        # Draft (context lookup): G more beams from each row's own text.
-        beams = steps.lookup(beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)
+    `clock` is given).
+
+    prefetch: after the sync, start drafting the next step with `mx.async_eval`, so
+    the device works while the host handles this step's tokens (text, stop rules).
+    """
+    # Draft: W beams of L tokens, each opened by the row's root token, and G branches.
+    beams = state.take_draft(steps)
+    if beams is None:
+        beams = draft(steps, state)  # (B, W + G, L)
     if clock:
         clock.mark("draft", beams)
-    # Pack tree: each distinct prefix once, N static for this beam config.
+    # Pack tree: each distinct prefix once, N static for this tree.
     tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
@@ -371,6 +445,8 @@ def decode_step(
     state.cache.commit(host_rows(result.path), [n + 1 for n in num_accepted])
     if clock:
         clock.mark("accept and commit")
+    elif prefetch:
+        state.prefetch(steps, draft(steps, state))
     return StepOutput(tokens, num_accepted, host_list(tree.num_tokens))
 
 
@@ -382,129 +458,3 @@ def host_list(values: mx.array) -> list[int]:
 def host_rows(values: mx.array) -> list[list[int]]:
     """An evaluated (B, K) integer array as Python lists."""
     return cast(list[list[int]], values.tolist())
-
-
-@dataclass
-class RowProgress:
-    """Host-side stop rules of one row: max_tokens, EOS ids, the context limit."""
-
-    max_tokens: int
-    eos_token_ids: frozenset[int] = frozenset()
-    generated: int = 0
-
-    def take(
-        self, tokens: list[int], committed: int, beam_length: int, limit: int | None
-    ) -> tuple[list[int], int, str | None]:
-        """Apply the stop rules to a step's new tokens.
-
-        committed: the row's committed length after the step; limit: the model's context.
-        Returns (tokens kept, tokens counted for tau, finish reason or None).
-        """
-        tokens = tokens[: self.max_tokens - self.generated]
-        reason = None
-        for position, token in enumerate(tokens):
-            if token in self.eos_token_ids:
-                tokens, reason = tokens[:position], "stop"
-                break
-        self.generated += len(tokens)
-        if reason is None and (
-            self.generated >= self.max_tokens
-            or (limit is not None and committed + beam_length > limit)
-        ):
-            reason = "length"
-        return tokens, len(tokens) + (reason == "stop"), reason
-
-
-@dataclass(frozen=True)
-class DecodeEvent:
-    """What one step produced for the rows still running, after stop rules.
-
-    row_ids: the requests that took part in this step.
-    tokens: the new tokens of each of those rows (may be empty once a row stops).
-    num_emitted: tokens the target produced for each row that count towards tau: the
-        kept tokens, plus the EOS token when the row stopped on one.
-    num_accepted: drafted tokens the target accepted for each row.
-    tree_sizes: distinct prefixes in each row's tree (N before padding).
-    finished: rows that ended this step, with "stop" (EOS) or "length".
-    prefill_seconds, step_seconds: wall-clock of the prefill and of this step.
-    """
-
-    row_ids: list[int]
-    tokens: list[list[int]]
-    num_emitted: list[int]
-    num_accepted: list[int]
-    tree_sizes: list[int]
-    finished: dict[int, str] = field(default_factory=dict)
-    prefill_seconds: float = 0.0
-    step_seconds: float = 0.0
-
-
-def speculative_decode(
-    model: nn.Module,
-    drafter: Drafter | None,
-    prompts: Sequence[Sequence[int]],
-    beam: BeamConfig,
-    sampling: SamplingConfig | Sequence[SamplingConfig],
-    stop: StopConfig,
-    cache_config: CacheConfig | None = None,
-    key: mx.array | None = None,
-    stopped_rows: set[int] | None = None,
-    compiled: bool | None = None,
-    clock: PhaseClock | None = None,
-    kernels: str | Kernels | None = None,
-) -> Iterator[DecodeEvent]:
-    """Decode a batch of token-id prompts together; yields one event per step.
-
-    `sampling` is one config for every row or one per prompt.
-    A consumer that decides a row must end (a stop string, a closed client) adds
-    its index to `stopped_rows`; the row leaves the batch before the next step.
-    `key` is the MLX PRNG key for sampling: one key (2,), split into a key per row, or
-    each row's own key (B, 2). `compiled` forces
-    mx.compile on or off for the draft/pack/accept functions (default: on the GPU only).
-    `clock` profiles the phases of every step (adding a host sync per phase).
-    `kernels` picks the expansion/acceptance implementation (see `step_functions`).
-    """
-    cache_config = cache_config or CacheConfig()
-    stopped_rows = stopped_rows if stopped_rows is not None else set()
-    if stop.max_tokens == 0 or not prompts:
-        return
-    beam = decoding_beam(drafter, beam)
-    steps = step_functions(model, drafter, beam, compiled, kernels)
-    limit = context_length(model)
-    started = time.perf_counter()
-    rules = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) else list(sampling)
-    keys = row_keys(key, rules)  # checked before the prefill's work
-    state = prefill(model, prompts, cache_config, rules, keys=keys)
-    prefill_seconds = time.perf_counter() - started
-    progress = [RowProgress(stop.max_tokens, stop.eos_token_ids) for _ in prompts]
-    while state.row_ids:
-        step_started = time.perf_counter()
-        if clock:
-            clock.start()
-        output = decode_step(model, steps, state, clock)
-        finished: dict[int, str] = {}
-        emitted: list[list[int]] = []
-        counted: list[int] = []
-        for row, new_tokens, length in zip(state.row_ids, output.tokens, state.cache.host_lengths):
-            kept, count, reason = progress[row].take(new_tokens, length, beam.longest_beam, limit)
-            emitted.append(kept)
-            counted.append(count)
-            if reason is not None:
-                finished[row] = reason
-        yield DecodeEvent(
-            row_ids=list(state.row_ids),
-            tokens=emitted,
-            num_emitted=counted,
-            num_accepted=output.num_accepted,
-            tree_sizes=output.tree_sizes,
-            finished=finished,
-            prefill_seconds=prefill_seconds,
-            step_seconds=time.perf_counter() - step_started,
-        )
-        keep = [
-            position
-            for position, row in enumerate(state.row_ids)
-            if row not in finished and row not in stopped_rows
-        ]
-        if len(keep) != len(state.row_ids):
-            state.select_rows(keep)

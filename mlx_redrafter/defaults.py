@@ -64,7 +64,7 @@ def cache_dir() -> Path:
 
 
 def _missing(package: str, install: str) -> Exception:
-    from convert.errors import MissingModelPackageError
+    from mlx_redrafter.convert.errors import MissingModelPackageError
 
     return MissingModelPackageError(
         f"the Python package {package!r}, which ships this model's GGUF, is not installed; "
@@ -128,7 +128,7 @@ def assemble_gemma3_270m_gguf(dest: Path) -> Path:
                         digest.update(block)
                         out.write(block)
         if expected and digest.hexdigest() != expected:
-            from convert.errors import ConversionError
+            from mlx_redrafter.convert.errors import ConversionError
 
             raise ConversionError(
                 f"the assembled {GEMMA3_GGUF} has SHA-256 {digest.hexdigest()}, "
@@ -186,8 +186,8 @@ def ensure_converted(
     size), so a different source gets a different folder; locate_gguf(scratch)
     returns the GGUF path (it may write the file into the scratch folder).
     """
-    from convert.api import convert_model
-    from convert.output import publish_shared
+    from mlx_redrafter.convert.api import convert_model
+    from mlx_redrafter.convert.output import publish_shared
 
     root = cache_dir() if root is None else root
     target = root / _cache_key(name, source_id, dtype)
@@ -209,7 +209,7 @@ def ensure_converted(
                 indent=2,
             )
         if not publish_shared(result, target) and not _is_complete(target):
-            from convert.errors import ConversionError
+            from mlx_redrafter.convert.errors import ConversionError
 
             raise ConversionError(f"cache folder {target} exists but is incomplete; delete it")
     return target

@@ -2,7 +2,7 @@
 
 Prompts come from JSONL (`{"prompt": ...}` or ShareGPT-style
 `{"conversations": [{"from": "human", "value": ...}, ...]}`), get the chat
-template, and are decoded in batches by `speculative_decode` (plain decoding
+template, and are decoded in batches by a `DecodingSession` (plain decoding
 when no drafter is given). Every row of a batch is prefilled to its longest
 prompt and decodes until its longest reply ends, so `length_batches` sorts each
 window of a few batches by prompt length first. Each finished batch becomes one shard,
@@ -37,11 +37,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import PLAIN_DECODING, BeamConfig, SamplingConfig, StopConfig
-from .decode import speculative_decode
+from .config import PLAIN_DECODING, SamplingConfig, StopConfig, TreeConfig
 from .drafter import Drafter
 from .files import fsync_path, match_umask
 from .prompts import PromptRecord, encode_prompt
+from .session import DecodingSession, Request
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.npz"
@@ -232,7 +232,7 @@ def distill(
     limit: int | None = None,
     worker: tuple[int, int] = (0, 1),
     drafter: Drafter | None = None,
-    beam: BeamConfig | None = None,
+    tree: TreeConfig | None = None,
     progress: bool = True,
 ) -> Generator[Path, None, None]:
     """Decode the records not yet in `output`, one shard per batch; yields each shard's path.
@@ -252,15 +252,11 @@ def distill(
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     if config.max_tokens < 1:
         raise ValueError(f"max tokens must be >= 1, got {config.max_tokens}")
-    sampling = SamplingConfig(config.temperature, config.top_p, config.top_k)
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
     _check_manifest(folder, config)
     existing = shard_paths(folder)
-    done: set[str] = set()
-    for path in existing:
-        with np.load(path, allow_pickle=False) as data:
-            done.update(str(i) for i in data["ids"].tolist())
+    done = _done_ids(existing)
     wanted = list(records) if limit is None else list(records)[:limit]
     # Worker i owns every n-th record of the wanted list (stable across restarts).
     share = wanted[index::count]
@@ -271,49 +267,75 @@ def distill(
     ]
     batches = [rows for rows in batches if rows]
     prefix = f"w{index}-" if count > 1 else ""
-    mine = [p for p in existing if p.stem[len("shard-") :].startswith(prefix)]
-    if not prefix:
-        mine = [p for p in existing if p.stem[len("shard-") :].isdigit()]
-    next_index = 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in mine), default=-1)
-    eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
-    stop = StopConfig(max_tokens=config.max_tokens, eos_token_ids=eos)
-    eos_id = getattr(tokenizer, "eos_token_id", None)
-    if eos_id is None and eos:
-        eos_id = min(eos)
-    beam = beam if drafter is not None and beam is not None else PLAIN_DECODING
-    pending = sum(len(rows) for rows in batches)
-    bar = _progress(len(done) + pending, len(done), progress)
+    next_index = _next_shard_index(existing, prefix)
+    tree = tree if drafter is not None and tree is not None else PLAIN_DECODING
+    replies = _Replies(DecodingSession(model, drafter, tree=tree), tokenizer, config)
+    bar = _progress(len(done) + sum(len(rows) for rows in batches), len(done), progress)
     try:
         for rows in batches:
             batch = [share[i] for i in rows]
-            batch_prompts = [prompts[i] for i in rows]
-            key = None
-            if not sampling.greedy:
-                digest = hashlib.sha256(f"{config.seed}:{batch[0].id}".encode()).digest()
-                key = mx.random.key(int.from_bytes(digest[:4], "little"))
-            outputs: list[list[int]] = [[] for _ in batch]
-            finish = [0] * len(batch)
-            for event in speculative_decode(
-                model, drafter, batch_prompts, beam, sampling, stop, key=key
-            ):
-                for row, tokens in zip(event.row_ids, event.tokens):
-                    outputs[row].extend(tokens)
-                    bar.tokens += len(tokens)
-                for row, reason in event.finished.items():
-                    if reason == "stop":
-                        finish[row] = 1
-                bar.refresh()
-            sequences = []
-            for prompt, completion, ended in zip(batch_prompts, outputs, finish):
-                stop_token = [eos_id] if ended and eos_id is not None else []
-                sequences.append(prompt + completion + stop_token)
-            shard = Shard([r.id for r in batch], sequences, [len(p) for p in batch_prompts], finish)
+            shard = replies.decode(batch, [prompts[i] for i in rows], bar)
             path = write_shard(folder, next_index, shard, prefix)
             next_index += 1
             bar.update(len(batch))
             yield path
     finally:
         bar.close()
+
+
+def _done_ids(shards: Sequence[Path]) -> set[str]:
+    """The record ids the shards already hold."""
+    done: set[str] = set()
+    for path in shards:
+        with np.load(path, allow_pickle=False) as data:
+            done.update(str(i) for i in data["ids"].tolist())
+    return done
+
+
+def _next_shard_index(existing: Sequence[Path], prefix: str) -> int:
+    """The number of this worker's next shard (after its highest one)."""
+    if prefix:
+        mine = [p for p in existing if p.stem[len("shard-") :].startswith(prefix)]
+    else:
+        mine = [p for p in existing if p.stem[len("shard-") :].isdigit()]
+    return 1 + max((int(p.stem.rsplit("-", 1)[1]) for p in mine), default=-1)
+
+
+class _Replies:
+    """Decodes one batch of records into a shard with a `DecodingSession`."""
+
+    def __init__(self, session: DecodingSession, tokenizer: Any, config: DistillConfig):
+        self.session, self.config = session, config
+        self.sampling = SamplingConfig(config.temperature, config.top_p, config.top_k)
+        eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
+        self.stop = StopConfig(max_tokens=config.max_tokens, eos_token_ids=eos)
+        eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.eos_id = min(eos) if eos_id is None and eos else eos_id
+
+    def _keys(self, batch: list[PromptRecord]) -> list[mx.array | None]:
+        """Per-record sampling keys, from the seed and the batch's first id (None: greedy)."""
+        if self.sampling.greedy:
+            return [None] * len(batch)
+        digest = hashlib.sha256(f"{self.config.seed}:{batch[0].id}".encode()).digest()
+        key = mx.random.key(int.from_bytes(digest[:4], "little"))
+        return list(mx.random.split(key, len(batch)))
+
+    def decode(self, batch: list[PromptRecord], prompts: list[list[int]], bar: Any) -> Shard:
+        """The shard of one batch: prompt + reply (+ EOS when the reply ended on it)."""
+        outputs: list[list[int]] = [[] for _ in batch]
+        finish = [0] * len(batch)
+        keys = self._keys(batch)
+        requests = [Request(p, self.sampling, self.stop, k) for p, k in zip(prompts, keys)]
+        for update in self.session.run(requests, ids=range(len(requests))):
+            outputs[update.request].extend(update.tokens)
+            bar.tokens += len(update.tokens)
+            finish[update.request] = int(update.finish_reason == "stop")
+            bar.refresh()
+        sequences = []
+        for prompt, completion, ended in zip(prompts, outputs, finish):
+            stop_token = [self.eos_id] if ended and self.eos_id is not None else []
+            sequences.append(prompt + completion + stop_token)
+        return Shard([r.id for r in batch], sequences, [len(p) for p in prompts], finish)
 
 
 class _Progress:

@@ -132,7 +132,7 @@ class Drafter(nn.Module):
     Parameter names follow the reference checkpoint format (`rnn_u`, `rnn_w`,
     `input_proj`, `lm_head.{i}.linear`, `lm_head.{n}`), all stored out x in.
     `ngrams` is the n-gram table of the target's replies that may ship beside the
-    weights (`ngrams.py`): fixed data, read by lookup beams, never trained.
+    weights (`ngrams.py`): fixed data, read by lookup branches, never trained.
     """
 
     def __init__(

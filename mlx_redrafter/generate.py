@@ -1,13 +1,7 @@
-"""The Python API: stream_generate, generate and batch_generate.
-
-Everything that produces text (this API, the CLI, the chat app, the server and
-the benchmark) consumes `stream_generate` or `stream_batch`, which consume the
-token-level loop in `decode.py`.
-"""
+"""The Python API: stream_generate, generate and batch_generate, on `DecodingSession`."""
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -16,20 +10,14 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import BeamConfig, CacheConfig, SamplingConfig, StopConfig
-from .decode import speculative_decode
+from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
-from .target import context_length, prepare_target
+from .metrics import RequestMetrics
+from .prompts import text_tokens
+from .session import DecodingSession, Request, Update, request_keys, stop_config
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-# The default tree: one drafter beam of 2 tokens (the root and one drafted token)
-# and one lookup beam of 7 (N = 8), `1x2+1x7`. The fastest shape measured on this
-# machine with the shipped SmolLM2 drafter and its n-gram table: 1.80x mlx-lm at
-# tau 2.51 on the headline run (README, "Performance"; session 11), against 1.74x
-# for 2x2+1x7 (tau 2.61) and 1.71x for 1x3+1x7 (tau 2.60) in the same run.
-DEFAULT_BEAM = BeamConfig(beam_width=1, beam_length=2, lookup_beams=1, lookup_length=7)
 
 Prompt = str | Sequence[int]
 
@@ -38,7 +26,8 @@ Prompt = str | Sequence[int]
 class GenerationResponse:
     """One decoding step of one request, with running figures.
 
-    text: the new text of this step (may be empty while a character is incomplete).
+    text: the new text of this step (may be empty while a character is incomplete,
+        or while the text may be the start of a stop string).
     tokens: the token ids emitted in this step: `num_accepted` drafted tokens the
         target accepted, then its own bonus token (fewer when the request stopped).
     prompt_tokens: tokens in the prompt.
@@ -51,6 +40,8 @@ class GenerationResponse:
     peak_memory: peak memory in GB so far.
     finish_reason: None while running; "stop" (EOS or a stop string) or "length".
     tree_size: distinct prefixes the target verified in this step (1 when plain).
+    acceptance_by_depth: the fraction of steps so far that accepted at least k
+        drafted tokens, for k = 1, 2, ...
     """
 
     text: str
@@ -65,13 +56,34 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None = None
     tree_size: int = 1
+    acceptance_by_depth: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, update: Update) -> GenerationResponse:
+        """The response of one session update."""
+        metrics: RequestMetrics = update.metrics
+        return cls(
+            text=update.text,
+            tokens=update.tokens,
+            num_accepted=update.num_accepted,
+            prompt_tokens=metrics.prompt_tokens,
+            generation_tokens=metrics.generated,
+            steps=metrics.steps,
+            tokens_per_step=metrics.tokens_per_step,
+            prompt_tps=metrics.prompt_tps,
+            generation_tps=metrics.generation_tps,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=update.finish_reason,
+            tree_size=update.tree_size,
+            acceptance_by_depth=tuple(metrics.acceptance_by_depth),
+        )
 
 
-def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: a string (`prompts.text_tokens`: with the BOS token unless
+    it already starts with it), an mx.array or a sequence of ids."""
     if isinstance(prompt, str):
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special_tokens = bos is None or not prompt.startswith(bos)
-        tokens = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        tokens = text_tokens(tokenizer, prompt)
     elif isinstance(prompt, mx.array):
         tokens = [int(t) for t in prompt.reshape(-1).tolist()]
     else:
@@ -79,95 +91,6 @@ def _encode(tokenizer: Any, prompt: Prompt) -> list[int]:
     if not tokens:
         raise ValueError("the prompt is empty: give at least one token or a non-empty string")
     return tokens
-
-
-def _check_inputs(
-    model: nn.Module, drafter: Drafter | None, prompts: list[list[int]], vocab_size: int
-) -> None:
-    limit = context_length(model)
-    for index, tokens in enumerate(prompts):
-        if limit is not None and len(tokens) >= limit:
-            raise ValueError(
-                f"prompt {index} has {len(tokens)} tokens but the model's context is {limit} "
-                "positions: shorten the prompt"
-            )
-        bad = [t for t in tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt {index} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
-            )
-    if drafter is not None:
-        drafter.check_fits(model)
-
-
-def beam_config(
-    beam_width: int, beam_length: int, lookup_beams: int, lookup_length: int | None
-) -> BeamConfig:
-    """The BeamConfig of the API's and the CLI's separate beam options. lookup_length
-    counts only with lookup beams (its default comes with the default's lookup beam)."""
-    return BeamConfig(
-        beam_width=beam_width,
-        beam_length=beam_length,
-        lookup_beams=lookup_beams,
-        lookup_length=lookup_length if lookup_beams else None,
-    )
-
-
-def _settings(
-    tokenizer: Any,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    beam_width: int,
-    beam_length: int,
-    lookup_beams: int,
-    lookup_length: int | None,
-    stop: Sequence[str] | str | None,
-    drafter: Drafter | None,
-    beam: BeamConfig | None,
-) -> tuple[BeamConfig, SamplingConfig, StopConfig]:
-    beam = beam or beam_config(beam_width, beam_length, lookup_beams, lookup_length)
-    if drafter is not None and beam.beam_width > drafter.config.output_size:
-        raise ValueError(
-            f"beam_width {beam.beam_width} exceeds the drafter's vocabulary of "
-            f"{drafter.config.output_size} tokens: use a smaller beam_width"
-        )
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
-    stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
-    return beam, sampling, StopConfig(max_tokens, eos, stop_strings)
-
-
-def _peak_memory_gb() -> float:
-    return mx.get_peak_memory() / 1e9
-
-
-class _RowText:
-    """Streaming detokenization and stop strings for one request."""
-
-    def __init__(self, tokenizer: Any, stop_strings: tuple[str, ...]):
-        self.detokenizer = tokenizer.detokenizer
-        self.detokenizer.reset()
-        self.stop_strings = stop_strings
-        self.text = ""  # everything emitted so far
-        self.stopped = False
-
-    def add(self, tokens: list[int], final: bool) -> str:
-        for token in tokens:
-            self.detokenizer.add_token(token)
-        if final:
-            self.detokenizer.finalize()
-        segment = self.detokenizer.last_segment
-        if self.stop_strings:
-            combined = self.text + segment
-            window_start = max(0, len(self.text) - max(map(len, self.stop_strings)))
-            hits = [i for s in self.stop_strings if (i := combined.find(s, window_start)) >= 0]
-            if hits:
-                self.stopped = True
-                segment = combined[: min(hits)][len(self.text) :]
-        self.text += segment
-        return segment
 
 
 def stream_batch(
@@ -180,87 +103,24 @@ def stream_batch(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    beam_width: int = DEFAULT_BEAM.beam_width,
-    beam_length: int = DEFAULT_BEAM.beam_length,
-    lookup_beams: int = DEFAULT_BEAM.lookup_beams,
-    lookup_length: int | None = DEFAULT_BEAM.lookup_length,
     seed: int | None = None,
     stop: Sequence[str] | str | None = None,
-    beam: BeamConfig | None = None,
+    tree: TreeConfig | str | None = None,
     cache: CacheConfig | None = None,
 ) -> Iterator[tuple[int, GenerationResponse]]:
     """Decode several prompts together; yields (prompt index, response) per row and step.
 
-    `beam` (a BeamConfig) overrides beam_width/beam_length/lookup_beams/lookup_length
-    when given.
+    tree: a `TreeConfig` or its notation, e.g. "1x2+1x7" (None: `DEFAULT_TREE`);
+    cache: the target's K/V storage (`CacheConfig(kv_bits=8)` quantizes it).
     """
-    encoded = [_encode(tokenizer, prompt) for prompt in prompts]
-    beam, sampling, stop_config = _settings(
-        tokenizer,
-        max_tokens,
-        temperature,
-        top_p,
-        top_k,
-        beam_width,
-        beam_length,
-        lookup_beams,
-        lookup_length,
-        stop,
-        drafter,
-        beam,
-    )
-    prepare_target(model)
-    vocab_size = model.model.embed_tokens.weight.shape[0]
-    _check_inputs(model, drafter, encoded, vocab_size)
-    key = mx.random.key(seed if seed is not None else secrets.randbits(32))
-    rows = [_RowText(tokenizer, stop_config.stop_strings) for _ in encoded]
-    generated = [0] * len(encoded)
-    produced = [0] * len(encoded)  # generated, plus a final EOS: the numerator of tau
-    steps = [0] * len(encoded)
-    decode_seconds = [0.0] * len(encoded)
-    stopped_rows: set[int] = set()
-    if max_tokens == 0:
-        for index, tokens in enumerate(encoded):
-            yield (
-                index,
-                GenerationResponse(
-                    "", [], 0, len(tokens), 0, 0, 0.0, 0.0, 0.0, _peak_memory_gb(), "length"
-                ),
-            )
-        return
-    events = speculative_decode(
-        model, drafter, encoded, beam, sampling, stop_config, cache, key, stopped_rows
-    )
-    for event in events:
-        for position, row in enumerate(event.row_ids):
-            new_tokens = event.tokens[position]
-            finish_reason = event.finished.get(row)
-            text = rows[row].add(new_tokens, final=finish_reason is not None)
-            if rows[row].stopped:
-                finish_reason = "stop"
-                stopped_rows.add(row)
-            generated[row] += len(new_tokens)
-            produced[row] += event.num_emitted[position]
-            steps[row] += 1
-            decode_seconds[row] += event.step_seconds
-            prompt_tokens = len(encoded[row])
-            yield (
-                row,
-                GenerationResponse(
-                    text=text,
-                    tokens=new_tokens,
-                    num_accepted=event.num_accepted[position],
-                    prompt_tokens=prompt_tokens,
-                    generation_tokens=generated[row],
-                    steps=steps[row],
-                    tokens_per_step=produced[row] / steps[row],
-                    prompt_tps=prompt_tokens / max(event.prefill_seconds, 1e-9),
-                    generation_tps=generated[row] / max(decode_seconds[row], 1e-9),
-                    peak_memory=_peak_memory_gb(),
-                    finish_reason=finish_reason,
-                    tree_size=event.tree_sizes[position],
-                ),
-            )
+    encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
+    rules = stop_config(tokenizer, max_tokens, stop)
+    session = DecodingSession(model, drafter, tokenizer, tree=tree, cache=cache)
+    keys = request_keys(seed, len(encoded))
+    requests = [Request(tokens, sampling, rules, key) for tokens, key in zip(encoded, keys)]
+    for update in session.run(requests):
+        yield update.request, GenerationResponse.of(update)
 
 
 class GenerationOptions(TypedDict, total=False):
@@ -270,13 +130,9 @@ class GenerationOptions(TypedDict, total=False):
     temperature: float
     top_p: float
     top_k: int
-    beam_width: int
-    beam_length: int
-    lookup_beams: int
-    lookup_length: int | None
     seed: int | None
     stop: Sequence[str] | str | None
-    beam: BeamConfig | None
+    tree: TreeConfig | str | None
     cache: CacheConfig | None
 
 
@@ -290,9 +146,10 @@ def stream_generate(
     """Generate for one prompt, yielding a GenerationResponse per decoding step.
 
     Options as in `stream_batch` (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
-    beam_width, beam_length, seed, stop, beam, cache). `drafter=None` decodes plainly
-    (one token per target forward) through the same loop. The last response has a
-    finish_reason and carries the totals.
+    seed, stop, tree, cache). `drafter=None` decodes plainly (one token per target
+    forward) through the same session, or with lookup branches alone for a tree of
+    W = 0 (e.g. tree="0x5+1:text"). The last response has a finish_reason and
+    carries the totals.
     """
     for _, response in stream_batch(model, drafter, tokenizer, [prompt], **options):
         yield response

@@ -1,6 +1,6 @@
 """Draft (context lookup): beams copied from each row's own text.
 
-Shapes: B batch, T context buffer, G lookup beams, L beam length.
+Shapes: B batch, T context buffer, G lookup branches, L beam length.
 
 Small models repeat themselves and quote their prompt, so the tokens that
 followed an earlier occurrence of the newest n-gram are often what comes next.
@@ -28,10 +28,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def lookup_beams(
+def lookup_branches(
     context: mx.array,
     lengths: mx.array,
-    num_beams: int,
+    num_branches: int,
     beam_length: int,
     max_ngram: int,
     fallback: mx.array,
@@ -61,8 +61,8 @@ def lookup_beams(
         )  # (B, T) shifted[b, p] = context[b, p - back]
         matched = matched & (shifted == suffix_token) & (positions >= back) & (last >= back)
         score = mx.where(matched, n * capacity + positions, score)  # (B, T)
-    top = mx.topk(score, num_beams, axis=-1) if num_beams < capacity else score
-    top = mx.sort(top, axis=-1)[:, ::-1][:, :num_beams]  # (B, G) best first
+    top = mx.topk(score, num_branches, axis=-1) if num_branches < capacity else score
+    top = mx.sort(top, axis=-1)[:, ::-1][:, :num_branches]  # (B, G) best first
     found = top >= 0  # (B, G)
     ends = mx.maximum(top % capacity, 0)  # (B, G) position p of each match
     # Continuation k (1..L-1) is the token k after the match. Past the root the text
@@ -72,9 +72,9 @@ def lookup_beams(
     follow = ends[:, :, None] + 1 + offsets[None, None, :] % period[:, :, None]  # (B, G, L-1)
     flat = mx.minimum(follow, capacity - 1).reshape(batch_size, -1)  # (B, G*(L-1))
     copied = mx.take_along_axis(context, flat, axis=1)
-    copied = copied.reshape(batch_size, num_beams, beam_length - 1)  # (B, G, L-1)
+    copied = copied.reshape(batch_size, num_branches, beam_length - 1)  # (B, G, L-1)
     roots = mx.take_along_axis(context, last, axis=1)  # (B, 1)
-    roots = mx.broadcast_to(roots[:, :, None], (batch_size, num_beams, 1))  # (B, G, 1)
+    roots = mx.broadcast_to(roots[:, :, None], (batch_size, num_branches, 1))  # (B, G, 1)
     beams = mx.concatenate([roots, copied], axis=-1)  # (B, G, L)
     fill = mx.broadcast_to(fallback[:, None, :], beams.shape)  # (B, G, L)
     return mx.where(found[:, :, None], beams, fill).astype(mx.int32)

@@ -1,15 +1,15 @@
 """Draft (n-gram table): what the target itself wrote after the newest tokens.
 
 Shapes: B batch, T context buffer, K table entries, C stored continuation length,
-Ll lookup beam length.
+Ll lookup branch length.
 
-A lookup beam copies the row's own text (`lookup.py`), which fails when the row's
+A lookup branch copies the row's own text (`lookup.py`), which fails when the row's
 newest token has not been seen before in its prompt or output: mostly in the first
 sentences of a reply. The distilled replies the drafter was trained on are a much
 larger text of the same writer. This table keeps, for every n-gram (n = 1..order)
 of those replies, the continuation that followed it most often, chosen token by
 token (the most frequent next token, then the most frequent one after that among
-the occurrences that agree so far). A lookup beam without a match in the row's
+the occurrences that agree so far). A lookup branch without a match in the row's
 text takes the table's continuation of the longest n-gram it knows. The target
 verifies it like any other beam, so the output never depends on the table.
 
@@ -247,7 +247,7 @@ def lookup_continuations(
     return mx.where(found[:, None], continuations, absent), found
 
 
-def table_beams(
+def table_branches(
     table: NgramTable, context: mx.array, lengths: mx.array, fallback: mx.array
 ) -> mx.array:
     """Each row's root followed by the table's continuation, or `fallback` where the

@@ -1,9 +1,9 @@
 """Dynamic tree attention: pack beams into a prefix tree, and the tree's masks.
 
 Shapes: B batch, W beam width, L beam length, N packed tokens (static per
-BeamConfig), T committed context.
+TreeConfig), T committed context.
 
-Worked example (docs/tree.md has more): one row, W = 3, L = 3,
+Worked example (docs/algorithm.md has more): one row, W = 3, L = 3,
 
     beams = [[5, 7, 9],        beam 0
              [5, 7, 2],        beam 1 shares [5, 7] with beam 0
@@ -15,7 +15,7 @@ Worked example (docs/tree.md has more): one row, W = 3, L = 3,
                      [0, 1, 3],
                      [0, 4, 5]]
 
-Beams of different lengths (short drafter beams beside long lookup beams) share
+Beams of different lengths (short drafter beams beside long lookup branches) share
 one (B, W, L) array: a shorter beam is padded with ABSENT (-1) tokens, which are
 never packed; their `unpack` is N, as for a node that did not fit the budget.
 """

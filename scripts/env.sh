@@ -15,7 +15,7 @@ if [ "$(uname -s)" = "Linux" ] && [ -e "$OPENBLAS" ] && [ -z "${MLX_REDRAFTER_NO
         export LD_PRELOAD="$ROUTER:$OPENBLAS${LD_PRELOAD:+:$LD_PRELOAD}"
         # Two OpenBLAS thread pools share the cores: idle workers must not spin long
         # (2^10 cycles), or a step alternating one-row and multi-row products slows
-        # down (1x3 decoding: 0.76x -> 0.93x of mlx-lm, docs/performance.md).
+        # down (docs/performance.md).
         export OPENBLAS_THREAD_TIMEOUT="${OPENBLAS_THREAD_TIMEOUT:-10}"
     else
         export LD_PRELOAD="$OPENBLAS${LD_PRELOAD:+:$LD_PRELOAD}"

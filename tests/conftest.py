@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_models import VOCAB_SIZE, tiny_model  # noqa: E402
 
-from mlx_redrafter.config import BeamConfig, SamplingConfig, StopConfig  # noqa: E402
-from mlx_redrafter.decode import speculative_decode  # noqa: E402
+from mlx_redrafter.config import SamplingConfig, StopConfig, TreeConfig  # noqa: E402
 from mlx_redrafter.drafter import Drafter  # noqa: E402
+from mlx_redrafter.session import DecodingSession, Request  # noqa: E402
 from mlx_redrafter.target import prepare_target  # noqa: E402
-from mlx_redrafter.train import FitConfig, fit  # noqa: E402
+from mlx_redrafter.training import FitConfig, fit  # noqa: E402
 
 
 def mlx_lm_greedy(model, prompt, max_tokens, prompt_cache=None):
@@ -35,11 +36,23 @@ def mlx_lm_greedy(model, prompt, max_tokens, prompt_cache=None):
     return [int(token) for token, _ in steps]
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """The updates of one session step, by row: the requests that took part, their new
+    tokens, accepted drafted tokens, tree sizes, and the rows that finished."""
+
+    row_ids: list[int]
+    tokens: list[list[int]]
+    num_accepted: list[int]
+    tree_sizes: list[int]
+    finished: dict[int, str] = field(default_factory=dict)
+
+
 def decode_tokens(
     model,
     drafter,
     prompts,
-    beam,
+    tree,
     max_tokens,
     sampling=None,
     key=None,
@@ -48,24 +61,35 @@ def decode_tokens(
     compiled=None,
     kernels=None,
 ):
-    """Run the loop; returns (tokens per prompt, events)."""
+    """Decode token-id prompts together in one `DecodingSession`; returns (tokens per
+    prompt, one StepEvent per step). `key`: one PRNG key (2,), split per row, or the
+    rows' own keys (B, 2)."""
+    session = DecodingSession(
+        model, drafter, tree=tree, cache=cache_config, compiled=compiled, kernels=kernels
+    )
+    keys = [None] * len(prompts)
+    if key is not None:
+        keys = list(mx.random.split(key, len(prompts)) if key.ndim == 1 else key)
+    stop = StopConfig(max_tokens=max_tokens, eos_token_ids=frozenset(eos))
+    rules = sampling or SamplingConfig()
+    rules = rules if isinstance(rules, list) else [rules] * len(prompts)  # per row, or all
+    requests = [Request(p, r, stop, k) for p, r, k in zip(prompts, rules, keys)]
+    session.add(requests, range(len(prompts)))
     outputs = [[] for _ in prompts]
     events = []
-    for event in speculative_decode(
-        model,
-        drafter,
-        prompts,
-        beam,
-        sampling or SamplingConfig(),
-        StopConfig(max_tokens=max_tokens, eos_token_ids=frozenset(eos)),
-        cache_config,
-        key,
-        compiled=compiled,
-        kernels=kernels,
-    ):
-        events.append(event)
-        for row, tokens in zip(event.row_ids, event.tokens):
-            outputs[row].extend(tokens)
+    while session.active:
+        updates = session.step()
+        events.append(
+            StepEvent(
+                [u.request for u in updates],
+                [u.tokens for u in updates],
+                [u.num_accepted for u in updates],
+                [u.tree_size for u in updates],
+                {u.request: u.finish_reason for u in updates if u.finish_reason},
+            )
+        )
+        for update in updates:
+            outputs[update.request].extend(update.tokens)
     return outputs, events
 
 
@@ -89,7 +113,7 @@ def trained_llama():
     and those prompts (on which the drafter is accepted often: tau well above 1)."""
     model = prepare_target(tiny_model("llama"))
     prompts = random_prompts(48, seed=1, lengths=(2, 8))
-    continuations, _ = decode_tokens(model, None, prompts, BeamConfig(1, 1), max_tokens=40)
+    continuations, _ = decode_tokens(model, None, prompts, TreeConfig(1, 1), max_tokens=40)
     sequences = [p + c for p, c in zip(prompts, continuations)]
     drafter = Drafter.create(model)
     fit(model, drafter, sequences, FitConfig(num_steps=4, iterations=300))

@@ -8,7 +8,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 import mlx_redrafter
 from mlx_redrafter import Drafter, batch_generate, generate, stream_generate
 from mlx_redrafter.cli import main as cli_main
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.config import TreeConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,21 +24,19 @@ def words(tokens):
 def test_generate_text_equals_mlx_lm_greedy(setup):
     model, drafter, tokenizer, prompts = setup
     prompt = prompts[0]
-    text = generate(model, drafter, tokenizer, prompt, max_tokens=30, beam_width=3, beam_length=4)
+    text = generate(model, drafter, tokenizer, prompt, max_tokens=30, tree="3x4")
     assert text == words(mlx_lm_greedy(model, prompt, 30))
     # A string prompt is tokenized the way mlx-lm does it.
     assert generate(model, drafter, tokenizer, words(prompt), max_tokens=30) == text
-    # Lookup beams of their own length beside short drafter beams.
-    options = {"beam_width": 1, "beam_length": 2, "lookup_beams": 1, "lookup_length": 6}
-    assert generate(model, drafter, tokenizer, prompt, max_tokens=30, **options) == text
+    # Lookup branches of their own length beside short drafter beams.
+    tree = TreeConfig(1, 2, lookup_branches=1, lookup_length=6)
+    assert generate(model, drafter, tokenizer, prompt, max_tokens=30, tree=tree) == text
 
 
 def test_stream_generate_reports_steps_and_totals(setup):
     model, drafter, tokenizer, prompts = setup
     responses = list(
-        stream_generate(
-            model, drafter, tokenizer, prompts[1], max_tokens=40, beam_width=4, beam_length=5
-        )
+        stream_generate(model, drafter, tokenizer, prompts[1], max_tokens=40, tree="4x5")
     )
     tokens = [t for r in responses for t in r.tokens]
     assert tokens == mlx_lm_greedy(model, prompts[1], 40)
@@ -116,14 +114,15 @@ def test_sampling_through_the_api_is_seeded(setup):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"beam_width": -1}, "beam_width"),
-        ({"beam_length": 0}, "beam_length"),
+        ({"tree": "1x0"}, "beam_length"),
+        ({"tree": "2by2"}, "is not a tree"),
+        ({"tree": 22}, "tree must be a TreeConfig"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"max_tokens": -3}, "max_tokens"),
-        ({"lookup_beams": 1, "lookup_length": 0}, "lookup_length"),
+        ({"tree": "1x2+1x0"}, "lookup_length"),
     ],
 )
 def test_invalid_arguments_say_what_to_change(setup, kwargs, message):
@@ -157,16 +156,12 @@ def test_reduced_draft_vocabulary_decodes_losslessly(setup):
     reference = mlx_lm_greedy(model, prompts[0], 20)
     drafter = Drafter.create(model, draft_vocab_ids=sorted(set(reference))[:8] + [60, 61])
     assert drafter.config.draft_vocab_size == 10
-    out = list(
-        stream_generate(
-            model, drafter, tokenizer, prompts[0], max_tokens=20, beam_width=3, beam_length=3
-        )
-    )
+    out = list(stream_generate(model, drafter, tokenizer, prompts[0], max_tokens=20, tree="3x3"))
     assert [t for r in out for t in r.tokens] == reference
     with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
-        generate(model, drafter, tokenizer, prompts[0], beam_width=11, beam_length=2)
+        generate(model, drafter, tokenizer, prompts[0], tree="11x2")
     with pytest.raises(ValueError, match="exceeds the drafter's vocabulary"):
-        generate(model, drafter, tokenizer, prompts[0], beam=BeamConfig(11, 2))
+        generate(model, drafter, tokenizer, prompts[0], tree=TreeConfig(11, 2))
 
 
 def test_load_from_folders(tmp_path, setup):

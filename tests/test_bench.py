@@ -17,9 +17,9 @@ from mlx_redrafter.bench import (
 )
 from mlx_redrafter.bench_plots import write_plots
 from mlx_redrafter.commands.bench import parse_sizes
-from mlx_redrafter.commands.common import describe_tree, parse_beam, parse_beams
-from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
-from mlx_redrafter.decode import decoding_beam
+from mlx_redrafter.commands.common import describe_tree, parse_tree, parse_trees
+from mlx_redrafter.config import PLAIN_DECODING, TreeConfig
+from mlx_redrafter.decode import plan_step
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.prompts import read_prompts
 
@@ -29,10 +29,10 @@ def result(trained_llama):
     model, drafter, prompts = trained_llama
     config = BenchConfig(
         max_tokens=24,
-        beams=(
-            BeamConfig(3, 3),
-            BeamConfig(2, 4),
-            BeamConfig(1, 2, lookup_beams=1, lookup_length=4),
+        trees=(
+            TreeConfig(3, 3),
+            TreeConfig(2, 4),
+            TreeConfig(1, 2, lookup_branches=1, lookup_length=4),
         ),
         warmup_tokens=4,
         profile_prompts=2,
@@ -79,9 +79,9 @@ def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
     assert sum(split.values()) == pytest.approx(1.0)
     assert sum(packed["accepted_histogram"]) > 0
     lookup = by_name["redrafter 1x2+1x4"]
-    assert lookup["lookup_beams"] == 1 and lookup["lookup_length"] == 4
+    assert lookup["lookup_branches"] == 1 and lookup["lookup_length"] == 4
     assert lookup["tau"] > 1.3
-    # Positions 1-3: the lookup beam is longer than the drafter's.
+    # Positions 1-3: the lookup branch is longer than the drafter's.
     assert len(lookup["acceptance_by_position"]) == 3
     assert len(lookup["accepted_histogram"]) == 4
     assert 0 < lookup["tree_compression"] <= 5 / 6  # N = 5 of 2 + 4
@@ -145,33 +145,37 @@ def test_environment_and_slow_blas_warning():
 
 def test_the_tree_a_session_decodes_with_and_how_commands_name_it():
     drafter = Drafter.create(tiny_model("llama"))
-    lookup_only = BeamConfig.parse("0x5+1:text")
-    # Without a drafter, drafter beams mean plain decoding; lookup beams alone do not.
-    assert decoding_beam(None, BeamConfig(2, 2)) == PLAIN_DECODING
-    assert decoding_beam(None, lookup_only) == lookup_only
-    assert decoding_beam(drafter, BeamConfig(2, 2)) == BeamConfig(2, 2)
-    assert describe_tree(None, BeamConfig(2, 2)) == "plain decoding"
+    lookup_only = TreeConfig.parse("0x5+1:text")
+    # Without a drafter, drafter beams mean plain decoding; lookup branches alone do not.
+    assert plan_step(TreeConfig(2, 2), has_drafter=False).plain
+    only = plan_step(lookup_only, has_drafter=False)
+    assert not only.plain and not only.drafts and only.lookup_branches == 1
+    assert only.num_packed == 5 and not only.lookup_table and only.depth == 5
+    with_drafter = plan_step(TreeConfig(2, 2), has_drafter=True)
+    assert with_drafter.drafts and with_drafter.num_packed == 3 and with_drafter.depth == 2
+    assert plan_step(PLAIN_DECODING, has_drafter=True).plain
+    assert describe_tree(None, TreeConfig(2, 2)) == "plain decoding"
     assert describe_tree(drafter, PLAIN_DECODING) == "plain decoding"
     assert describe_tree(None, lookup_only).startswith("ReDrafter 0x5+1:text ")
-    assert describe_tree(drafter, BeamConfig(2, 2)).startswith("ReDrafter 2x2 ")
+    assert describe_tree(drafter, TreeConfig(2, 2)).startswith("ReDrafter 2x2 ")
 
 
 def test_argument_parsing_and_prompt_files(tmp_path):
-    assert parse_beams("4x4,2x5") == (BeamConfig(4, 4), BeamConfig(2, 5))
+    assert parse_trees("4x4,2x5") == (TreeConfig(4, 4), TreeConfig(2, 5))
     with pytest.raises(ValueError, match="WxL"):
-        parse_beams("4by4")
+        parse_trees("4by4")
     with pytest.raises(ValueError):
-        parse_beams("0x4")
-    assert parse_beams("1x3+1,0x4+2,1x2+1x6") == (
-        BeamConfig(1, 3, lookup_beams=1),
-        BeamConfig(0, 4, lookup_beams=2),
-        BeamConfig(1, 2, lookup_beams=1, lookup_length=6),
+        parse_trees("0x4")
+    assert parse_trees("1x3+1,0x4+2,1x2+1x6") == (
+        TreeConfig(1, 3, lookup_branches=1),
+        TreeConfig(0, 4, lookup_branches=2),
+        TreeConfig(1, 2, lookup_branches=1, lookup_length=6),
     )
-    assert parse_beam("1x2+1x7") == BeamConfig(1, 2, lookup_beams=1, lookup_length=7)
-    with pytest.raises(ValueError, match="--beams takes one tree"):
-        parse_beam("1x2+1x7,2x2")
-    with pytest.raises(ValueError, match="^--tau-beams: '4by4'"):
-        parse_beams("4by4", "--tau-beams")
+    assert parse_tree("1x2+1x7") == TreeConfig(1, 2, lookup_branches=1, lookup_length=7)
+    with pytest.raises(ValueError, match="--tree takes one tree"):
+        parse_tree("1x2+1x7,2x2")
+    with pytest.raises(ValueError, match="^--tau-trees: '4by4'"):
+        parse_trees("4by4", "--tau-trees")
     assert parse_sizes("1,2,4") == (1, 2, 4)
     file = tmp_path / "p.jsonl"
     file.write_text(

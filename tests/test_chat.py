@@ -21,13 +21,12 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_redrafter.apps.chat import ChatSession, run_chat
 from tiny_models import _COMMON, FAMILY_CONFIGS, tiny_tokenizer
 
-from apps.chat import ChatSession, run_chat
 from mlx_redrafter import generate, stream_generate
 from mlx_redrafter.cli import main as cli_main
-from mlx_redrafter.config import BeamConfig
-from mlx_redrafter.generate import DEFAULT_BEAM
+from mlx_redrafter.config import DEFAULT_TREE, TreeConfig
 from mlx_redrafter.prompts import chat_tokens
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -114,28 +113,28 @@ class Terminal:
 def test_generate_command_decodes_the_tree_it_is_given(
     trained_llama: Any, saved: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`mlx-redrafter generate --beams` (the spelling of bench, distill and train)."""
+    """`mlx-redrafter generate --tree` (the spelling of bench, distill and train)."""
     model, drafter, prompts = trained_llama
     model_dir, drafter_dir = saved
     question = " ".join(f"w{t}" for t in prompts[0])
     steps = {}
-    for label in ("2x3+1x5", DEFAULT_BEAM.label):
-        beam = BeamConfig.parse(label)
+    for label in ("2x3+1x5", DEFAULT_TREE.label):
+        tree = TreeConfig.parse(label)
         *_, last = stream_generate(
-            model, drafter, chat_tokenizer(), question, max_tokens=30, beam=beam
+            model, drafter, chat_tokenizer(), question, max_tokens=30, tree=tree
         )
         steps[label] = last.steps
-    assert steps["2x3+1x5"] != steps[DEFAULT_BEAM.label]  # the tree shows in the steps
+    assert steps["2x3+1x5"] != steps[DEFAULT_TREE.label]  # the tree shows in the steps
     expected = generate(model, drafter, chat_tokenizer(), question, max_tokens=30)
     argv = ["generate", "--model", str(model_dir), "--drafter", str(drafter_dir)]
     argv += ["--prompt", question, "--no-chat-template", "--max-tokens", "30"]
-    assert cli_main([*argv, "--beams", "2x3+1x5"]) == 0
+    assert cli_main([*argv, "--tree", "2x3+1x5"]) == 0
     captured = capsys.readouterr()
     assert captured.out == expected + "\n"
     assert "ReDrafter 2x3+1x5" in captured.err
     assert f" {steps['2x3+1x5']} target steps" in captured.err
-    assert cli_main([*argv, "--beams", "2by3"]) == 2
-    assert capsys.readouterr().err.startswith("error: --beams: '2by3' is not a beam shape")
+    assert cli_main([*argv, "--tree", "2by3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tree: '2by3' is not a tree")
 
 
 def test_chat_in_a_terminal(trained_llama: Any, saved: tuple[Path, Path]) -> None:

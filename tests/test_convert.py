@@ -17,10 +17,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from convert import SUPPORTED_ARCHITECTURES, ConversionError, convert_model
-from convert.cli import main
-from convert.gguf import permute_rotary_rows, unpermute_rotary_rows
+from mlx_redrafter.convert import SUPPORTED_ARCHITECTURES, ConversionError, convert_model
+from mlx_redrafter.convert.cli import main
+from mlx_redrafter.convert.gguf import permute_rotary_rows, unpermute_rotary_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -695,14 +694,14 @@ def test_interrupted_run_leaves_nothing(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import convert.api
+    from mlx_redrafter.convert import api as convert_api
 
     def interrupted(src: str, dst: Path, **_: Any) -> None:
         dst.mkdir()
         (dst / "config.json").write_text("{}")  # half-written output
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert.api, "_mlx_lm_convert", interrupted)
+    monkeypatch.setattr(convert_api, "_mlx_lm_convert", interrupted)
     out = tmp_path / "out"
     code, _, err = run_cli(["model", str(tiny_llama_gguf), "-o", str(out), "-q"], capsys)
     assert code == 130 and "interrupted" in err and "Traceback" not in err
@@ -820,7 +819,7 @@ def test_console_script_prints_one_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "convert.cli",
+            "mlx_redrafter.convert.cli",
             "model",
             str(tmp_path / "nope.gguf"),
             "-o",
@@ -900,7 +899,7 @@ def test_sentencepiece_vocabulary_encodes_like_sentencepiece(
 ) -> None:
     """The rebuilt SPM tokenizer (merges recovered from scores, byte fallback)
     agrees with the sentencepiece library on the model it was rebuilt from."""
-    from convert.tokenizer import build_tokenizer
+    from mlx_redrafter.convert.tokenizer import build_tokenizer
 
     sp = _sentencepiece_model(add_dummy_prefix)
     tokenizer = build_tokenizer(_gguf_spm_metadata(sp, add_dummy_prefix), architecture)

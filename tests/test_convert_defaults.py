@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlx_redrafter.convert.errors import ConversionError, MissingModelPackageError
 from test_convert import make_tiny_hf, write_tiny_gguf
 
-from convert.errors import ConversionError, MissingModelPackageError
 from mlx_redrafter import defaults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,9 +91,9 @@ def test_loser_of_a_race_uses_the_winners_folder(
 ) -> None:
     """Another process finishes first, while this one converts: this one adopts
     the winner's folder and deletes its own copy."""
-    import convert.api
+    from mlx_redrafter.convert import api as convert_api
 
-    real_convert = convert.api.convert_model
+    real_convert = convert_api.convert_model
     key = defaults._cache_key("tiny", "src", "float32")
     target = tmp_path / key
 
@@ -105,7 +105,7 @@ def test_loser_of_a_race_uses_the_winners_folder(
         (target / "winner.txt").write_text("the other process")
         return out
 
-    monkeypatch.setattr(convert.api, "convert_model", convert_while_another_wins)
+    monkeypatch.setattr(convert_api, "convert_model", convert_while_another_wins)
     got = defaults.ensure_converted(
         "tiny", "src", lambda w: tiny_gguf, root=tmp_path, progress=False
     )

@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_redrafter.convert.cli import main
 
-from convert.cli import main
 from mlx_redrafter.drafter import Drafter, DrafterConfig
 
 CONFIG = DrafterConfig(vocab_size=64, hidden_size=32, exit_dim=96, num_draft_layers=2, rnn=True)

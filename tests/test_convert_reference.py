@@ -175,7 +175,7 @@ def test_dequantization_matches_transformers_torch_kernels(
         from transformers.integrations.gguf.dequant import dequantize as torch_dequantize
     except ImportError:
         pytest.skip("this transformers version has no torch GGUF dequantizer")
-    from convert.gguf import read_gguf
+    from mlx_redrafter.convert.gguf import read_gguf
 
     if which == "smollm2":
         gguf_path = defaults.smollm2_gguf_path()
@@ -242,7 +242,7 @@ def test_gemma3_tokenizer_matches_transformers(gemma3: dict[str, Any]) -> None:
 def test_default_model_is_cached_and_reused(
     smollm2: dict[str, Any], cache_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import convert.api
+    from mlx_redrafter.convert import api as convert_api
 
     path = smollm2["mlx"]
     assert path.parent == cache_root
@@ -253,7 +253,7 @@ def test_default_model_is_cached_and_reused(
     def must_not_convert(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the cached folder should have been reused")
 
-    monkeypatch.setattr(convert.api, "convert_model", must_not_convert)
+    monkeypatch.setattr(convert_api, "convert_model", must_not_convert)
     monkeypatch.setenv(defaults.CACHE_ENV, str(cache_root))
     start = time.monotonic()
     again = defaults.default_model_path(progress=False)

@@ -13,8 +13,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from mlx_redrafter import distill as distill_module
 from mlx_redrafter.cli import main
-from mlx_redrafter.config import BeamConfig
-from mlx_redrafter.decode import speculative_decode
+from mlx_redrafter.config import TreeConfig
 from mlx_redrafter.distill import (
     DistillConfig,
     balanced_order,
@@ -25,6 +24,7 @@ from mlx_redrafter.distill import (
 )
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.prompts import PromptRecord, read_prompts
+from mlx_redrafter.session import DecodingSession
 from mlx_redrafter.target import prepare_target
 
 EOS = 20  # the tiny target emits it in some replies
@@ -162,20 +162,21 @@ def test_distilling_with_a_drafter_and_lookup_beams_writes_the_same_replies(
     assert len(list(plain_run)) == 3
     used = []
 
-    def spy(*args, **kwargs):
-        used.append(args[3])  # the tree each batch was decoded with
-        return speculative_decode(*args, **kwargs)
+    class Spy(DecodingSession):
+        def step_functions(self, tree):
+            used.append(tree)  # the tree each step was decoded with
+            return super().step_functions(tree)
 
-    monkeypatch.setattr(distill_module, "speculative_decode", spy)
+    monkeypatch.setattr(distill_module, "DecodingSession", Spy)
     mx.random.seed(0)
     drafter = Drafter.create(model)
-    beam = BeamConfig.parse("1x3+1x7")
+    tree = TreeConfig.parse("1x3+1x7")
     run = distill(
         model, tokenizer, records, tmp_path / "drafted", config,
-        batch_size=3, drafter=drafter, beam=beam, progress=False,
+        batch_size=3, drafter=drafter, tree=tree, progress=False,
     )  # fmt: skip
     assert len(list(run)) == 3
-    assert used == [beam] * 3
+    assert used and set(used) == {tree}
     plain = {d.id: d.tokens for d in load_distilled([tmp_path / "plain"])}
     assert {d.id: d.tokens for d in load_distilled([tmp_path / "drafted"])} == plain
 
@@ -253,8 +254,8 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     args = ["distill", "--prompts", str(prompt_file(tmp_path)), "--output", "o"]
     assert main([*args, "--source-weights", "a:1"]) == 2
     assert "source=weight" in capsys.readouterr().err
-    assert main([*args, "--beams", "2by2"]) == 2
-    assert capsys.readouterr().err.startswith("error: --beams: '2by2' is not a beam shape")
+    assert main([*args, "--tree", "2by2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tree: '2by2' is not a tree")
 
 
 def test_two_workers_fill_one_folder_without_overlap(target, tmp_path):

@@ -10,7 +10,7 @@ from tiny_models import tiny_model
 from mlx_redrafter.beam_search import beam_search
 from mlx_redrafter.drafter import Drafter, DrafterConfig, DrafterError
 from mlx_redrafter.ngrams import NGRAMS_FILE, build_ngram_table
-from mlx_redrafter.train import FitConfig, draft_batch, draft_loss, fit
+from mlx_redrafter.training import FitConfig, draft_batch, draft_loss, fit
 
 
 @pytest.fixture(scope="module")

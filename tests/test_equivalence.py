@@ -6,7 +6,7 @@ from conftest import decode_tokens, mlx_lm_greedy, random_prompts
 from mlx_lm.models.cache import QuantizedKVCache
 from tiny_models import FAMILY_CONFIGS, tiny_model
 
-from mlx_redrafter.config import BeamConfig, CacheConfig, SamplingConfig
+from mlx_redrafter.config import CacheConfig, SamplingConfig, StopConfig, TreeConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.target import prepare_target
 
@@ -28,7 +28,7 @@ def test_every_family_matches_mlx_lm(family_model, beam_width, beam_length):
     drafter = Drafter.create(model)
     for prompt, reference in zip(prompts, references):
         outputs, _ = decode_tokens(
-            model, drafter, [prompt], BeamConfig(beam_width, beam_length), 40
+            model, drafter, [prompt], TreeConfig(beam_width, beam_length), 40
         )
         assert outputs[0] == reference, f"{family} W={beam_width} L={beam_length} prompt={prompt}"
 
@@ -41,11 +41,11 @@ def test_sliding_window_is_exercised():
 @pytest.mark.parametrize(
     "beam",
     [
-        BeamConfig(1, 5),
-        BeamConfig(4, 5),
-        BeamConfig(3, 3),
-        BeamConfig(4, 5, share_prefixes=False),
-        BeamConfig(4, 5, tree_budget=7),
+        TreeConfig(1, 5),
+        TreeConfig(4, 5),
+        TreeConfig(3, 3),
+        TreeConfig(4, 5, share_prefixes=False),
+        TreeConfig(4, 5, tree_budget=7),
     ],
     ids=["W1L5", "W4L5", "W3L3", "W4L5-unshared", "W4L5-budget7"],
 )
@@ -66,7 +66,7 @@ def test_batch_equals_each_row_alone(trained_llama):
     model, drafter, trained_prompts = trained_llama
     prompts = trained_prompts[6:12] + [[5]]
     assert len({len(p) for p in prompts}) > 2
-    beam = BeamConfig(3, 4)
+    beam = TreeConfig(3, 4)
     batched, events = decode_tokens(model, drafter, prompts, beam, 32)
     for prompt, output in zip(prompts, batched):
         alone, _ = decode_tokens(model, drafter, [prompt], beam, 32)
@@ -79,9 +79,9 @@ def test_batch_equals_each_row_alone(trained_llama):
 def test_each_row_stops_at_its_own_eos(trained_llama):
     model, drafter, _ = trained_llama
     prompts = random_prompts(4, seed=3, lengths=(2, 6))
-    full, _ = decode_tokens(model, drafter, prompts, BeamConfig(3, 4), 30)
+    full, _ = decode_tokens(model, drafter, prompts, TreeConfig(3, 4), 30)
     eos = full[0][10]
-    outputs, events = decode_tokens(model, drafter, prompts, BeamConfig(3, 4), 30, eos={eos})
+    outputs, events = decode_tokens(model, drafter, prompts, TreeConfig(3, 4), 30, eos={eos})
     for reference, output in zip(full, outputs):
         expected = reference[: reference.index(eos)] if eos in reference else reference
         assert output == expected
@@ -98,7 +98,7 @@ def test_max_tokens_is_exact_even_mid_step(trained_llama):
     model, drafter, _ = trained_llama
     prompt = random_prompts(1, seed=2)[0]
     for max_tokens in (1, 2, 7, 13):
-        outputs, events = decode_tokens(model, drafter, [prompt], BeamConfig(3, 5), max_tokens)
+        outputs, events = decode_tokens(model, drafter, [prompt], TreeConfig(3, 5), max_tokens)
         assert outputs[0] == mlx_lm_greedy(model, prompt, max_tokens)
         assert events[-1].finished == {0: "length"}
 
@@ -115,7 +115,7 @@ def test_quantized_kv_cache_matches_mlx_lm_quantized_cache():
     cache_config = CacheConfig(kv_bits=8, kv_group_size=64)
     for prompt, reference in zip(prompts, references):
         outputs, _ = decode_tokens(
-            model, drafter, [prompt], BeamConfig(3, 3), 30, cache_config=cache_config
+            model, drafter, [prompt], TreeConfig(3, 3), 30, cache_config=cache_config
         )
         assert outputs[0] == reference
 
@@ -130,14 +130,14 @@ def test_adapted_model_still_runs_mlx_lm_unchanged(trained_llama):
 def test_drafter_none_is_plain_decoding(trained_llama):
     model, _, _ = trained_llama
     prompt = [2, 7, 1, 8]
-    outputs, events = decode_tokens(model, None, [prompt], BeamConfig(4, 5), 20)
+    outputs, events = decode_tokens(model, None, [prompt], TreeConfig(4, 5), 20)
     assert outputs[0] == mlx_lm_greedy(model, prompt, 20)
     assert len(events) == 20 and all(n == 0 for e in events for n in e.num_accepted)
 
 
 def test_prompt_of_one_token(trained_llama):
     model, drafter, _ = trained_llama
-    outputs, _ = decode_tokens(model, drafter, [[9]], BeamConfig(3, 3), 15)
+    outputs, _ = decode_tokens(model, drafter, [[9]], TreeConfig(3, 3), 15)
     assert outputs[0] == mlx_lm_greedy(model, [9], 15)
 
 
@@ -147,7 +147,7 @@ def test_half_precision_runs(trained_llama):
     model = prepare_target(tiny_model("llama", dtype=mx.bfloat16))
     drafter = Drafter.create(model)
     prompt = [1, 2, 3]
-    outputs, _ = decode_tokens(model, drafter, [prompt], BeamConfig(2, 3), 20)
+    outputs, _ = decode_tokens(model, drafter, [prompt], TreeConfig(2, 3), 20)
     reference = mlx_lm_greedy(tiny_model("llama", dtype=mx.bfloat16), prompt, 20)
     assert len(outputs[0]) == 20
     assert outputs[0][:3] == reference[:3]
@@ -155,7 +155,7 @@ def test_half_precision_runs(trained_llama):
 
 def test_compiled_hot_path_gives_identical_output(trained_llama):
     model, drafter, prompts = trained_llama
-    beam = BeamConfig(4, 5)
+    beam = TreeConfig(4, 5)
     for prompt in prompts[:3]:
         compiled, events = decode_tokens(model, drafter, [prompt], beam, 30, compiled=True)
         plain, _ = decode_tokens(model, drafter, [prompt], beam, 30, compiled=False)
@@ -172,30 +172,75 @@ def test_compiled_hot_path_gives_identical_output(trained_llama):
 
 def test_requests_join_a_running_batch(trained_llama):
     """Rows prefilled later and appended mid-decode (continuous batching) stay exact."""
-    from mlx_redrafter.decode import RowProgress, decode_step, prefill, step_functions
+    from mlx_redrafter.session import DecodingSession, Request
 
     model, drafter, prompts = trained_llama
-    beam = BeamConfig(3, 4)
-    steps = step_functions(model, drafter, beam)
-    first, later = prompts[:2], prompts[2:5]
-    state = prefill(model, first, CacheConfig(), row_ids=[0, 1])
+    session = DecodingSession(model, drafter, tree=TreeConfig(3, 4))
+    stop = StopConfig(max_tokens=30)
+    session.add([Request(p, stop=stop) for p in prompts[:2]], ids=[0, 1])
     outputs: dict[int, list[int]] = {0: [], 1: [], 2: [], 3: [], 4: []}
-    progress = {row: RowProgress(max_tokens=30) for row in outputs}
     joined = False
-    while state.row_ids:
+    while session.active:
         if not joined and len(outputs[0]) >= 7:
-            state.extend(prefill(model, later, CacheConfig(), row_ids=[2, 3, 4]))
+            session.add([Request(p, stop=stop) for p in prompts[2:5]], ids=[2, 3, 4])
             joined = True
-        output = decode_step(model, steps, state)
-        keep = []
-        for position, (row, tokens) in enumerate(zip(state.row_ids, output.tokens)):
-            length = state.cache.host_lengths[position]
-            kept, _, reason = progress[row].take(tokens, length, beam.beam_length, None)
-            outputs[row].extend(kept)
-            if reason is None:
-                keep.append(position)
-        if len(keep) != len(state.row_ids):
-            state.select_rows(keep)
+        for update in session.step():
+            outputs[update.request].extend(update.tokens)
     assert joined
     for row, prompt in enumerate(prompts[:5]):
         assert outputs[row] == mlx_lm_greedy(model, prompt, 30), row
+
+
+def test_drafting_ahead_and_the_generation_stream_change_nothing(trained_llama):
+    """The session drafts step t+1 with mx.async_eval while the host handles step t,
+    on its own generation stream: tokens, acceptances and tree sizes are those of a
+    session that drafts each step when it starts, for every kind of tree, greedy and
+    sampled, with rows leaving the batch at different steps."""
+    from mlx_redrafter.config import DEFAULT_TREE
+    from mlx_redrafter.session import DecodingSession, Request
+
+    model, drafter, prompts = trained_llama
+    rows = prompts[:3]
+    for tree in (TreeConfig(3, 4), DEFAULT_TREE, TreeConfig.parse("0x5+1:text")):
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+            runs = []
+            for prefetch in (True, False):
+                session = DecodingSession(model, drafter, tree=tree, prefetch=prefetch)
+                keys = list(mx.random.split(mx.random.key(4), len(rows)))
+                stops = [StopConfig(max_tokens=n) for n in (9, 23, 31)]
+                requests = [Request(p, sampling, s, k) for p, s, k in zip(rows, stops, keys)]
+                updates = list(session.run(requests))
+                runs.append([(u.request, u.tokens, u.num_accepted, u.tree_size) for u in updates])
+            assert runs[0] == runs[1], (tree.label, sampling)
+            if sampling.greedy:
+                got = {r: [t for u in runs[0] if u[0] == r for t in u[1]] for r in range(3)}
+                for row, (prompt, n) in enumerate(zip(rows, (9, 23, 31))):
+                    assert got[row] == mlx_lm_greedy(model, prompt, n)
+
+
+def test_wired_limit_is_a_no_op_without_metal(trained_llama):
+    from mlx_redrafter.session import wired_limit
+
+    model, _, _ = trained_llama
+    if mx.metal.is_available():
+        pytest.skip("this machine has Metal: the next test covers it")
+    with wired_limit(model):  # no Metal: nothing to wire, and nothing fails
+        assert mx.array(1).item() == 1
+
+
+@pytest.mark.metal
+@pytest.mark.skipif(
+    not mx.metal.is_available(), reason="no Metal here (mx.metal.is_available() is False)"
+)
+def test_wired_limit_wires_and_restores_on_metal(trained_llama):
+    from mlx_redrafter.session import wired_limit
+
+    model, _, _ = trained_llama
+    before = mx.set_wired_limit(0)
+    mx.set_wired_limit(before)
+    with wired_limit(model):
+        inside = mx.set_wired_limit(before)
+        mx.set_wired_limit(inside)
+        limit = int(mx.metal.device_info()["max_recommended_working_set_size"])
+        assert inside == limit
+    assert mx.set_wired_limit(before) == before

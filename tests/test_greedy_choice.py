@@ -6,7 +6,7 @@ from conftest import decode_tokens, mlx_lm_greedy
 from tiny_models import tiny_model
 
 import mlx_redrafter.decode as decode
-from mlx_redrafter.config import BeamConfig, SamplingConfig
+from mlx_redrafter.config import SamplingConfig, TreeConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.sampling import (
     choose_tokens,
@@ -60,7 +60,7 @@ def decodes_like_mlx_lm(monkeypatch, name, replacement) -> bool:
     reference = mlx_lm_greedy(model, prompt, 12)
     prepare_target(model)
     monkeypatch.setattr(decode, name, replacement)
-    outputs, _ = decode_tokens(model, Drafter.create(model), [prompt], BeamConfig(3, 3), 12)
+    outputs, _ = decode_tokens(model, Drafter.create(model), [prompt], TreeConfig(3, 3), 12)
     return outputs[0] == reference
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import decode_tokens
 from kernel_harness.cases import (
     EXPAND_KINDS,
     EXPAND_SHAPES,
@@ -19,8 +20,8 @@ from mlx_redrafter.accept import accept
 from mlx_redrafter.beam_search import expand_beams
 from mlx_redrafter.cli import main
 from mlx_redrafter.commands.kernels import NO_METAL, benchmark
-from mlx_redrafter.config import BeamConfig, SamplingConfig, StopConfig
-from mlx_redrafter.decode import speculative_decode, step_functions
+from mlx_redrafter.config import SamplingConfig, TreeConfig
+from mlx_redrafter.decode import step_functions
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.kernels import (
     ENV_VAR,
@@ -96,7 +97,7 @@ def tiny():
 
 def test_step_functions_pick_kernels_by_platform(tiny, monkeypatch):
     model, drafter = tiny
-    beam = BeamConfig(2, 3)
+    beam = TreeConfig(2, 3)
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     assert step_functions(model, drafter, beam, compiled=False).kernels == "mlx"
@@ -110,7 +111,7 @@ def test_step_functions_pick_kernels_by_platform(tiny, monkeypatch):
 def test_this_machine_decodes_with_the_right_kernels(tiny, monkeypatch):
     model, drafter = tiny
     monkeypatch.delenv(ENV_VAR, raising=False)
-    steps = step_functions(model, drafter, BeamConfig(2, 3))
+    steps = step_functions(model, drafter, TreeConfig(2, 3))
     assert steps.kernels == ("metal" if HAS_METAL else "mlx")
 
 
@@ -131,21 +132,14 @@ def test_a_session_uses_the_kernels_it_was_built_with(tiny):
         return accept(*args)
 
     spy = Kernels("spy", expand, pack, accept_step)
-    beam = BeamConfig(2, 3)
-    assert step_functions(model, drafter, beam, compiled=False, kernels=spy).kernels == "spy"
-    events = list(
-        speculative_decode(
-            model,
-            drafter,
-            [[1, 2, 3]],
-            beam,
-            SamplingConfig(),
-            StopConfig(max_tokens=6),
-            compiled=False,
-            kernels=spy,
-        )
-    )
-    assert calls == {"expand": 2 * len(events), "pack": len(events), "accept": len(events)}
+    tree = TreeConfig(2, 3)
+    assert step_functions(model, drafter, tree, compiled=False, kernels=spy).kernels == "spy"
+    calls.update(expand=0)
+    _, events = decode_tokens(model, drafter, [[1, 2, 3]], tree, 6, compiled=False, kernels=spy)
+    # Two expansions per draft (L = 3): one draft per step, and one more drafted ahead
+    # after the last step (the session drafts step t+1 while the host handles step t).
+    drafts = len(events) + 1
+    assert calls == {"expand": 2 * drafts, "pack": len(events), "accept": len(events)}
 
 
 # ---------------------------------------------------------------- the real kernels (Mac)
@@ -192,19 +186,16 @@ def test_metal_decoding_matches_the_fallback(tiny, temperature):
     model, drafter = tiny
     outputs = []
     for kernels in ("mlx", "metal"):
-        tokens: list[list[int]] = [[], []]
-        for event in speculative_decode(
+        tokens, _ = decode_tokens(
             model,
             drafter,
             [[1, 2, 3], [4, 5]],
-            BeamConfig(3, 4),
+            TreeConfig(3, 4),
+            16,
             SamplingConfig(temperature=temperature),
-            StopConfig(max_tokens=16),
             key=mx.random.key(3),
             kernels=kernels,  # compiled by default on the GPU
-        ):
-            for row, new in zip(event.row_ids, event.tokens):
-                tokens[row].extend(new)
+        )
         outputs.append(tokens)
     assert outputs[0] == outputs[1]
 
@@ -231,7 +222,7 @@ def test_benchmark_checks_the_kernel_it_times():
         pack_tree,
         lambda *args: accept(*args)._replace(bonus_tokens=args[3][:, 0] + 1),
     )
-    timings = benchmark(1, BeamConfig(2, 3), 20, iterations=1, warmup=0, metal=fake)
+    timings = benchmark(1, TreeConfig(2, 3), 20, iterations=1, warmup=0, metal=fake)
     verdicts = {(t.step, t.implementation): t.identical for t in timings}
     assert verdicts[("expand", "fake")] is True
     assert verdicts[("pack", "fake")] is True

@@ -16,6 +16,7 @@ import zlib
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import decode_tokens
 from kernel_harness.cases import (
     CHUNKS,
     EXPAND_KINDS,
@@ -30,8 +31,7 @@ from tiny_models import tiny_model
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.beam_search import expand_beams
-from mlx_redrafter.config import BeamConfig, SamplingConfig, StopConfig
-from mlx_redrafter.decode import speculative_decode
+from mlx_redrafter.config import SamplingConfig, TreeConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.kernels import (
     accept_fused,
@@ -210,30 +210,26 @@ def test_threadgroup_attributes_are_refused():
 
 def decode(model, drafter, beam, sampling, kernels):
     """Tokens per prompt and the number of steps, decoding with the given kernels."""
-    outputs: list[list[int]] = [[], []]
-    steps = 0
-    for event in speculative_decode(
+    key = None if sampling.greedy else mx.random.key(7)
+    outputs, events = decode_tokens(
         model,
         drafter,
         [[1, 2, 3], [4, 5]],
         beam,
+        12,
         sampling,
-        StopConfig(max_tokens=12),
-        key=None if sampling.greedy else mx.random.key(7),
+        key,
         compiled=False,
         kernels=kernels,
-    ):
-        steps += 1
-        for row, tokens in zip(event.row_ids, event.tokens):
-            outputs[row].extend(tokens)
-    return outputs, steps
+    )
+    return outputs, len(events)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decoding_with_emulated_kernels_matches_the_fallback(emulator, temperature):
     model = prepare_target(tiny_model("llama"))
     drafter = Drafter.create(model)
-    beam = BeamConfig(3, 4)
+    beam = TreeConfig(3, 4)
     sampling = SamplingConfig(temperature=temperature)
     emulated = emulator.with_replacements({})
     want, _ = decode(model, drafter, beam, sampling, "mlx")
@@ -241,4 +237,6 @@ def test_decoding_with_emulated_kernels_matches_the_fallback(emulator, temperatu
     assert got == want
     assert emulated.launches.count(ACCEPT.name) == steps
     assert emulated.launches.count(PACK_TREE.name) == steps
-    assert emulated.launches.count(BEAM_SELECT.name) == steps * (beam.beam_length - 1)
+    # One draft per step, plus the one drafted ahead after the last step.
+    drafts = steps + 1
+    assert emulated.launches.count(BEAM_SELECT.name) == drafts * (beam.beam_length - 1)

@@ -1,4 +1,4 @@
-"""Lookup beams: continuations copied from each row's own text join the drafter's beams."""
+"""Lookup branches: continuations copied from each row's own text join the drafter's beams."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import pytest
 from conftest import decode_tokens, mlx_lm_greedy, random_prompts
 from tiny_models import FAMILY_CONFIGS, tiny_model
 
-from mlx_redrafter.config import BeamConfig, CacheConfig
+from mlx_redrafter.config import CacheConfig, TreeConfig
 from mlx_redrafter.decode import decode_step, prefill, step_functions
-from mlx_redrafter.lookup import lookup_beams
+from mlx_redrafter.lookup import lookup_branches
 from mlx_redrafter.target import prepare_target
 
 
-def lookup(rows, num_beams, beam_length, max_ngram, fallback_token=-7):
-    """lookup_beams on plain lists (each row: its tokens, the root last)."""
+def lookup(rows, num_branches, beam_length, max_ngram, fallback_token=-7):
+    """lookup_branches on plain lists (each row: its tokens, the root last)."""
     capacity = max(len(row) for row in rows) + 3
     context = mx.array([row + [0] * (capacity - len(row)) for row in rows])
     lengths = mx.array([len(row) for row in rows])
     fallback = mx.full((len(rows), beam_length), fallback_token)
-    beams = lookup_beams(context, lengths, num_beams, beam_length, max_ngram, fallback)
+    beams = lookup_branches(context, lengths, num_branches, beam_length, max_ngram, fallback)
     return np.array(beams).tolist()
 
 
@@ -36,7 +36,7 @@ def test_worked_examples():
     assert lookup([[1, 2, 3], [4]], 1, 3, 3) == [[[-7, -7, -7]], [[-7, -7, -7]]]
 
 
-def reference(row, num_beams, beam_length, max_ngram):
+def reference(row, num_branches, beam_length, max_ngram):
     """The K best (longest n-gram, then most recent) match ends p < root, in plain Python."""
     root = len(row) - 1
     scored = []
@@ -49,10 +49,10 @@ def reference(row, num_beams, beam_length, max_ngram):
         if best:
             scored.append((best, p))
     beams = []
-    for _, p in sorted(scored, reverse=True)[:num_beams]:
+    for _, p in sorted(scored, reverse=True)[:num_branches]:
         period = root - p
         beams.append([row[root]] + [row[p + 1 + k % period] for k in range(beam_length - 1)])
-    return beams + [[-7] * beam_length] * (num_beams - len(beams))
+    return beams + [[-7] * beam_length] * (num_branches - len(beams))
 
 
 def test_agrees_with_a_plain_python_search_on_random_text():
@@ -82,15 +82,17 @@ def test_lookup_beams_decode_exactly_like_mlx_lm(family):
 
     mx.random.seed(0)
     drafter = Drafter.create(model)
-    with_drafter, _ = decode_tokens(model, drafter, prompts, BeamConfig(1, 3, lookup_beams=1), 32)
-    alone, events = decode_tokens(model, None, prompts, BeamConfig(0, 4, lookup_beams=2), 32)
+    with_drafter, _ = decode_tokens(
+        model, drafter, prompts, TreeConfig(1, 3, lookup_branches=1), 32
+    )
+    alone, events = decode_tokens(model, None, prompts, TreeConfig(0, 4, lookup_branches=2), 32)
     assert with_drafter == references
     assert alone == references
-    # Lookup beams longer, and shorter, than the drafter's.
+    # Lookup branches longer, and shorter, than the drafter's.
     for beam in (
-        BeamConfig(1, 2, lookup_beams=1, lookup_length=6),
-        BeamConfig(2, 4, lookup_beams=2, lookup_length=2),
-        BeamConfig(0, 2, lookup_beams=1, lookup_length=5),
+        TreeConfig(1, 2, lookup_branches=1, lookup_length=6),
+        TreeConfig(2, 4, lookup_branches=2, lookup_length=2),
+        TreeConfig(0, 2, lookup_branches=1, lookup_length=5),
     ):
         assert decode_tokens(model, drafter, prompts, beam, 32)[0] == references, beam
     # Random tiny models fall into loops, which the lookup drafts: steps emit several tokens.
@@ -101,7 +103,7 @@ def test_lookup_beams_decode_exactly_like_mlx_lm(family):
 def test_batch_rows_keep_their_own_history(trained_llama):
     model, drafter, trained_prompts = trained_llama
     prompts = repetitive_prompts(3, seed=4) + trained_prompts[:3] + [[5]]
-    beam = BeamConfig(2, 3, lookup_beams=1)
+    beam = TreeConfig(2, 3, lookup_branches=1)
     batched, _ = decode_tokens(model, drafter, prompts, beam, 30)
     for prompt, output in zip(prompts, batched):
         assert output == mlx_lm_greedy(model, prompt, 30)
@@ -122,7 +124,7 @@ def test_batch_rows_keep_their_own_history(trained_llama):
 
 def test_lookup_beams_in_a_running_batch(trained_llama):
     model, drafter, trained_prompts = trained_llama
-    beam = BeamConfig(1, 4, lookup_beams=1)
+    beam = TreeConfig(1, 4, lookup_branches=1)
     steps = step_functions(model, drafter, beam)
     first, later = repetitive_prompts(2, seed=6), trained_prompts[:2]
     state = prefill(model, first, CacheConfig(), row_ids=[0, 1])
@@ -139,31 +141,31 @@ def test_lookup_beams_in_a_running_batch(trained_llama):
 
 
 def test_beam_shapes_parse_and_label():
-    assert BeamConfig.parse("1x3+1") == BeamConfig(1, 3, lookup_beams=1)
-    assert BeamConfig.parse(" 2X2 ") == BeamConfig(2, 2)
-    assert BeamConfig.parse("plain") == BeamConfig(1, 1)
-    assert BeamConfig(0, 4, lookup_beams=2).label == "0x4+2"
-    assert BeamConfig(2, 3).label == "2x3"
-    assert BeamConfig(1, 3, lookup_beams=1).num_packed == 1 + 2 * 2
-    assert BeamConfig(1, 3, lookup_beams=1, share_prefixes=False).num_packed == 2 * 3
+    assert TreeConfig.parse("1x3+1") == TreeConfig(1, 3, lookup_branches=1)
+    assert TreeConfig.parse(" 2X2 ") == TreeConfig(2, 2)
+    assert TreeConfig.parse("plain") == TreeConfig(1, 1)
+    assert TreeConfig(0, 4, lookup_branches=2).label == "0x4+2"
+    assert TreeConfig(2, 3).label == "2x3"
+    assert TreeConfig(1, 3, lookup_branches=1).num_packed == 1 + 2 * 2
+    assert TreeConfig(1, 3, lookup_branches=1, share_prefixes=False).num_packed == 2 * 3
     for bad in ("4by4", "2x", "1x3+", "1x3+a", "x3", "1x3+1x", "1x3+x4", "1x3+1x4x2"):
-        with pytest.raises(ValueError, match="is not a beam shape"):
-            BeamConfig.parse(bad)
-    with pytest.raises(ValueError, match="beam_width >= 1 or lookup_beams >= 1"):
-        BeamConfig.parse("0x4")
+        with pytest.raises(ValueError, match="is not a tree"):
+            TreeConfig.parse(bad)
+    with pytest.raises(ValueError, match="beam_width >= 1 or lookup_branches >= 1"):
+        TreeConfig.parse("0x4")
     with pytest.raises(ValueError, match="lookup_ngram"):
-        BeamConfig(1, 3, lookup_beams=1, lookup_ngram=0)
-    # Lookup beams of their own length.
-    long_lookup = BeamConfig(1, 3, lookup_beams=1, lookup_length=7)
-    assert BeamConfig.parse("1x3+1x7") == long_lookup
+        TreeConfig(1, 3, lookup_branches=1, lookup_ngram=0)
+    # Lookup branches of their own length.
+    long_lookup = TreeConfig(1, 3, lookup_branches=1, lookup_length=7)
+    assert TreeConfig.parse("1x3+1x7") == long_lookup
     assert long_lookup.label == "1x3+1x7"
-    assert BeamConfig.parse(long_lookup.label) == long_lookup
-    assert BeamConfig.parse("1x3+1x3") == BeamConfig(1, 3, lookup_beams=1)
-    assert BeamConfig.parse("1x3+1x3").label == "1x3+1"
-    with pytest.raises(ValueError, match="set lookup_beams >= 1"):
-        BeamConfig.parse("1x3+0x5")
+    assert TreeConfig.parse(long_lookup.label) == long_lookup
+    assert TreeConfig.parse("1x3+1x3") == TreeConfig(1, 3, lookup_branches=1)
+    assert TreeConfig.parse("1x3+1x3").label == "1x3+1"
+    with pytest.raises(ValueError, match="set lookup_branches >= 1"):
+        TreeConfig.parse("1x3+0x5")
     with pytest.raises(ValueError, match="lookup_length must be an integer >= 1"):
-        BeamConfig(1, 3, lookup_beams=1, lookup_length=0)
+        TreeConfig(1, 3, lookup_branches=1, lookup_length=0)
 
 
 def test_without_a_drafter_only_lookup_alone_speculates(trained_llama):
@@ -171,9 +173,11 @@ def test_without_a_drafter_only_lookup_alone_speculates(trained_llama):
     beams alone (W = 0)."""
     model, _, _ = trained_llama
     prompts = repetitive_prompts(2, seed=8)
-    plain, plain_events = decode_tokens(model, None, prompts, BeamConfig(1, 3, lookup_beams=1), 24)
+    plain, plain_events = decode_tokens(
+        model, None, prompts, TreeConfig(1, 3, lookup_branches=1), 24
+    )
     assert all(n == 0 for event in plain_events for n in event.num_accepted)
     assert all(size == 1 for event in plain_events for size in event.tree_sizes)
-    alone, events = decode_tokens(model, None, prompts, BeamConfig(0, 3, lookup_beams=1), 24)
+    alone, events = decode_tokens(model, None, prompts, TreeConfig(0, 3, lookup_branches=1), 24)
     assert alone == plain
     assert len(events) < len(plain_events)

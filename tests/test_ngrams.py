@@ -1,4 +1,4 @@
-"""The n-gram table: continuations of the target's own replies for lookup beams without
+"""The n-gram table: continuations of the target's own replies for lookup branches without
 a match in the row's text."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import decode_tokens, mlx_lm_greedy, random_prompts
 from tiny_models import VOCAB_SIZE
 
 from mlx_redrafter.cli import main
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.config import TreeConfig
 from mlx_redrafter.distill import Shard, write_shard
 from mlx_redrafter.drafter import Drafter, DrafterError
 from mlx_redrafter.loading import DEFAULT_DRAFTER
@@ -28,7 +28,7 @@ from mlx_redrafter.ngrams import (
     ngram_hash,
     ngram_hash_numpy,
     save_ngram_table,
-    table_beams,
+    table_branches,
 )
 from mlx_redrafter.tree import ABSENT
 
@@ -117,13 +117,13 @@ def test_table_beams_put_the_root_first_and_fit_the_beam_length():
     context = mx.array([[9, 1, 0], [9, 4, 0], [8, 8, 0]])
     lengths = mx.array([2, 2, 1])
     fallback = mx.full((3, 6), -7)
-    beams = table_beams(table, context, lengths, fallback)  # (3, 6)
+    beams = table_branches(table, context, lengths, fallback)  # (3, 6)
     assert np.array(beams).tolist() == [
         [1, 2, 3, 4, ABSENT, ABSENT],  # padded past the stored length
         [4, 5, ABSENT, ABSENT, ABSENT, ABSENT],  # the reply ended after 5
         [-7] * 6,  # 8 is unknown: the fallback
     ]
-    cut = table_beams(table, context, lengths, mx.full((3, 2), -7))
+    cut = table_branches(table, context, lengths, mx.full((3, 2), -7))
     assert np.array(cut).tolist() == [[1, 2], [4, 5], [-7, -7]]
 
 
@@ -180,7 +180,7 @@ def test_a_drafter_keeps_its_table_when_saved_and_loaded(tmp_path, trained_llama
 
 
 def test_table_beams_decode_exactly_like_mlx_lm_and_draft_more(trained_llama):
-    """A table of the target's own greedy replies: lookup beams without a match in
+    """A table of the target's own greedy replies: lookup branches without a match in
     the row's text copy it, the output stays mlx-lm's, and fewer steps are needed."""
     model, trained, _ = trained_llama
     prompts = random_prompts(24, seed=11, lengths=(2, 6))
@@ -190,22 +190,22 @@ def test_table_beams_decode_exactly_like_mlx_lm_and_draft_more(trained_llama):
     drafter.update(trained.parameters())
     steps = {}
     for label in ("0x7+1", "0x7+1:text", "1x3+1x7", "2x2+1x4"):
-        outputs, events = decode_tokens(model, drafter, prompts, BeamConfig.parse(label), 24)
+        outputs, events = decode_tokens(model, drafter, prompts, TreeConfig.parse(label), 24)
         assert outputs == references, label
         steps[label] = len(events)
     assert steps["0x7+1"] < 0.8 * steps["0x7+1:text"]
 
 
 def test_the_text_only_spelling():
-    beam = BeamConfig.parse("1x3+1x7:text")
-    assert beam == BeamConfig(1, 3, lookup_beams=1, lookup_length=7, lookup_table=False)
+    beam = TreeConfig.parse("1x3+1x7:text")
+    assert beam == TreeConfig(1, 3, lookup_branches=1, lookup_length=7, lookup_table=False)
     assert beam.label == "1x3+1x7:text"
-    assert BeamConfig.parse(beam.label) == beam
-    assert BeamConfig.parse("0x4+2:text").label == "0x4+2:text"
-    assert BeamConfig(2, 2, lookup_table=False) == BeamConfig(2, 2)  # no lookup beams
+    assert TreeConfig.parse(beam.label) == beam
+    assert TreeConfig.parse("0x4+2:text").label == "0x4+2:text"
+    assert TreeConfig(2, 2, lookup_table=False) == TreeConfig(2, 2)  # no lookup branches
     for bad in ("2x2:text", "1x3+1:table"):
         with pytest.raises(ValueError, match="':text'"):
-            BeamConfig.parse(bad)
+            TreeConfig.parse(bad)
 
 
 def distilled_folder(folder: Path, sequences, prompt_length=2):

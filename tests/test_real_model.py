@@ -8,7 +8,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 from real_models import mt_bench_first_turns, smollm2_path
 
-from mlx_redrafter import BeamConfig, Drafter, stream_generate
+from mlx_redrafter import Drafter, TreeConfig, stream_generate
 from mlx_redrafter.loading import DEFAULT_DRAFTER
 from mlx_redrafter.target import prepare_target
 
@@ -54,12 +54,12 @@ def test_mt_bench_greedy_is_identical_to_mlx_lm(smollm2, mt_bench):
     prepare_target(model)
     mx.random.seed(0)
     drafter = Drafter.create(model, draft_vocab_size=4096)  # random: tau ~ 1, still lossless
-    beam = BeamConfig(beam_width=2, beam_length=3)
+    beam = TreeConfig(beam_width=2, beam_length=3)
     for prompt, reference in zip(prompts, references):
         tokens = [
             t
             for r in stream_generate(
-                model, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS, beam=beam
+                model, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS, tree=beam
             )
             for t in r.tokens
         ]
@@ -67,13 +67,13 @@ def test_mt_bench_greedy_is_identical_to_mlx_lm(smollm2, mt_bench):
 
 
 def test_default_beam_with_the_shipped_drafter_is_identical_and_fast(smollm2, mt_bench):
-    """The default tree (a drafter beam and a longer lookup beam) with the shipped
+    """The default tree (a drafter beam and a longer lookup branch) with the shipped
     drafter: token-identical, and several tokens per target step."""
     model, tokenizer = smollm2
     prompts, references = mt_bench
     prepare_target(model)
     drafter = Drafter.load(DEFAULT_DRAFTER)
-    assert drafter.ngrams is not None  # lookup beams without a match copy the table
+    assert drafter.ngrams is not None  # lookup branches without a match copy the table
     produced = steps = 0
     for prompt, reference in zip(prompts, references):
         responses = list(stream_generate(model, drafter, tokenizer, prompt, max_tokens=MAX_TOKENS))

@@ -21,12 +21,12 @@ from tiny_models import tiny_model
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.beam_search import expand_beams
-from mlx_redrafter.config import BeamConfig, SamplingConfig
+from mlx_redrafter.config import SamplingConfig, TreeConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.kernels import Kernels
 from mlx_redrafter.sampling import filter_top_k, filter_top_p
 from mlx_redrafter.target import prepare_target
-from mlx_redrafter.train import FitConfig, fit
+from mlx_redrafter.training import FitConfig, fit
 from mlx_redrafter.tree import pack_tree
 
 VOCAB = 6
@@ -88,7 +88,7 @@ def small_vocab_target():
     sampling = SamplingConfig(temperature=1.0)
     prompts = [PROMPT] * 256
     outputs, _ = decode_tokens(
-        model, None, prompts, BeamConfig(1, 1), 12, sampling=sampling, key=mx.random.key(0)
+        model, None, prompts, TreeConfig(1, 1), 12, sampling=sampling, key=mx.random.key(0)
     )
     drafter = Drafter.create(model)
     fit(model, drafter, [PROMPT + o for o in outputs], FitConfig(num_steps=2, iterations=150))
@@ -125,7 +125,7 @@ def sample_sequences(model, drafter, sampling, beam, seed, kernels=None):
 def test_speculative_sampling_matches_the_target_distribution(small_vocab_target, sampling):
     model, drafter = small_vocab_target
     expected = exact_distribution(model, sampling)
-    counts, accepted = sample_sequences(model, drafter, sampling, BeamConfig(3, 3), seed=1)
+    counts, accepted = sample_sequences(model, drafter, sampling, TreeConfig(3, 3), seed=1)
     assert accepted > SAMPLES // 2, "drafts must be accepted often for the test to mean much"
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
     # Filtered tokens never appear.
@@ -138,8 +138,8 @@ def test_lookup_beams_sample_the_target_distribution(small_vocab_target):
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_distribution(model, sampling)
     for beam in (
-        BeamConfig(1, 3, lookup_beams=1),
-        BeamConfig(1, 2, lookup_beams=1, lookup_length=4),
+        TreeConfig(1, 3, lookup_branches=1),
+        TreeConfig(1, 2, lookup_branches=1, lookup_length=4),
     ):
         counts, accepted = sample_sequences(model, drafter, sampling, beam, seed=5)
         assert accepted > SAMPLES // 2, beam
@@ -150,7 +150,7 @@ def test_unshared_tree_sampling_is_exact(small_vocab_target):
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_distribution(model, sampling)
-    beam = BeamConfig(3, 3, share_prefixes=False)
+    beam = TreeConfig(3, 3, share_prefixes=False)
     counts, _ = sample_sequences(model, drafter, sampling, beam, seed=2)
     assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
 
@@ -169,7 +169,7 @@ def test_the_test_catches_inexact_acceptance(small_vocab_target):
         return accept(beams, unpack, canonical, choices)
 
     broken = Kernels("inexact", expand_beams, pack_tree, lenient_acceptance)
-    counts, _ = sample_sequences(model, drafter, sampling, BeamConfig(3, 3), seed=2, kernels=broken)
+    counts, _ = sample_sequences(model, drafter, sampling, TreeConfig(3, 3), seed=2, kernels=broken)
     assert chi_square_p_value(counts, expected, SAMPLES) < 1e-6
 
 
@@ -177,13 +177,13 @@ def test_fixed_seed_is_reproducible(small_vocab_target):
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
     first = decode_tokens(
-        model, drafter, [PROMPT] * 4, BeamConfig(3, 3), 8, sampling=sampling, key=mx.random.key(42)
+        model, drafter, [PROMPT] * 4, TreeConfig(3, 3), 8, sampling=sampling, key=mx.random.key(42)
     )[0]
     second = decode_tokens(
-        model, drafter, [PROMPT] * 4, BeamConfig(3, 3), 8, sampling=sampling, key=mx.random.key(42)
+        model, drafter, [PROMPT] * 4, TreeConfig(3, 3), 8, sampling=sampling, key=mx.random.key(42)
     )[0]
     third = decode_tokens(
-        model, drafter, [PROMPT] * 4, BeamConfig(3, 3), 8, sampling=sampling, key=mx.random.key(43)
+        model, drafter, [PROMPT] * 4, TreeConfig(3, 3), 8, sampling=sampling, key=mx.random.key(43)
     )[0]
     assert first == second
     assert first != third
@@ -212,7 +212,7 @@ def test_rows_with_different_rules_share_a_batch_exactly(small_vocab_target):
         model,
         drafter,
         [PROMPT] * len(per_row),
-        BeamConfig(3, 3),
+        TreeConfig(3, 3),
         LENGTH,
         sampling=per_row,
         key=mx.random.key(5),
@@ -230,9 +230,9 @@ def test_greedy_rows_stay_greedy_in_a_mixed_batch(small_vocab_target):
     model, drafter = small_vocab_target
     per_row = [SamplingConfig(), SamplingConfig(temperature=1.0)] * 4
     outputs, _ = decode_tokens(
-        model, drafter, [PROMPT] * 8, BeamConfig(3, 3), 6, sampling=per_row, key=mx.random.key(1)
+        model, drafter, [PROMPT] * 8, TreeConfig(3, 3), 6, sampling=per_row, key=mx.random.key(1)
     )
-    greedy, _ = decode_tokens(model, drafter, [PROMPT], BeamConfig(3, 3), 6)
+    greedy, _ = decode_tokens(model, drafter, [PROMPT], TreeConfig(3, 3), 6)
     assert all(output == greedy[0] for output in outputs[0::2])
 
 
@@ -242,13 +242,13 @@ def test_a_seeded_row_samples_the_same_alone_and_in_a_batch(small_vocab_target):
     rule = SamplingConfig(temperature=1.0)
     mine = mx.random.key(11)
     alone, _ = decode_tokens(
-        model, drafter, [PROMPT], BeamConfig(3, 3), 12, sampling=rule, key=mine[None]
+        model, drafter, [PROMPT], TreeConfig(3, 3), 12, sampling=rule, key=mine[None]
     )
     others = mx.stack([mx.random.key(1), mine, mx.random.key(2)])
     prompts = [[3, 1], PROMPT, [5, 5, 5, 2]]
     rules = [SamplingConfig(temperature=0.8), rule, SamplingConfig()]
     batched, _ = decode_tokens(
-        model, drafter, prompts, BeamConfig(3, 3), 12, sampling=rules, key=others
+        model, drafter, prompts, TreeConfig(3, 3), 12, sampling=rules, key=others
     )
     assert batched[1] == alone[0]
     assert batched[0] != alone[0]
@@ -266,18 +266,18 @@ def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_tar
     keys = mx.stack([mx.random.key(seed) for seed in range(16)])
     prompts = [PROMPT] * 16
     plain, plain_events = decode_tokens(
-        model, None, prompts, BeamConfig(1, 1), 16, sampling=rule, key=keys
+        model, None, prompts, TreeConfig(1, 1), 16, sampling=rule, key=keys
     )
     assert len({tuple(p) for p in plain}) > 8  # the seeds really sample differently
     for beam in (
-        BeamConfig(3, 3),
-        BeamConfig(2, 5),
-        BeamConfig(4, 4, share_prefixes=False),
-        BeamConfig(4, 4, tree_budget=6),
-        BeamConfig(1, 3, lookup_beams=1),
-        BeamConfig(2, 4, lookup_beams=2),
-        BeamConfig(1, 2, lookup_beams=1, lookup_length=5),
-        BeamConfig(2, 4, lookup_beams=1, lookup_length=2),
+        TreeConfig(3, 3),
+        TreeConfig(2, 5),
+        TreeConfig(4, 4, share_prefixes=False),
+        TreeConfig(4, 4, tree_budget=6),
+        TreeConfig(1, 3, lookup_branches=1),
+        TreeConfig(2, 4, lookup_branches=2),
+        TreeConfig(1, 2, lookup_branches=1, lookup_length=5),
+        TreeConfig(2, 4, lookup_branches=1, lookup_length=2),
     ):
         speculative, events = decode_tokens(
             model, drafter, prompts, beam, 16, sampling=rule, key=keys

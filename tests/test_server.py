@@ -22,11 +22,12 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
+from mlx_redrafter.apps.batcher import Batcher  # noqa: E402
+from mlx_redrafter.apps.server import BackgroundServer, Server, create_app  # noqa: E402
 from test_chat import chat_tokenizer  # noqa: E402
 
-from apps.batcher import Batcher, BeamPolicy  # noqa: E402
-from apps.server import BackgroundServer, Server, create_app  # noqa: E402
 from mlx_redrafter import generate  # noqa: E402
+from mlx_redrafter.policy import SpeedGuard, TreePolicy  # noqa: E402
 
 MODEL_ID = "tiny-llama"
 
@@ -37,7 +38,7 @@ class Served:
     def __init__(self, model: Any, drafter: Any, prompts: list[list[int]], policy: str):
         self.model, self.drafter, self.prompts = model, drafter, prompts
         self.tokenizer = chat_tokenizer()
-        self.batcher = Batcher(model, drafter, self.tokenizer, BeamPolicy.parse(policy), seed=0)
+        self.batcher = Batcher(model, drafter, self.tokenizer, TreePolicy.parse(policy), seed=0)
         self.app = create_app(Server(self.batcher, MODEL_ID, ("default",)))
         self.background = BackgroundServer(self.app)
         self.url = self.background.url
@@ -171,7 +172,7 @@ def test_completions_with_token_ids_and_stop_strings(served: Served) -> None:
 
 
 def test_stop_text_holds_back_what_may_start_a_stop_string() -> None:
-    from apps.batcher import StopText
+    from mlx_redrafter.session import StopText
 
     text = StopText(chat_tokenizer(), ["w5 w6", "w9"])
     assert text.add([1, 2], final=False) == "w1 w2"
@@ -241,7 +242,7 @@ def test_concurrent_clients_get_their_lone_replies(served: Served) -> None:
     assert after["joined"] > before["joined"]  # and some joined a running batch
     assert after["admitted"] - before["admitted"] == len(prompts) + 1
     # The batch used several beam shapes as it grew and shrank.
-    assert len(after["steps_by_beam"]) >= 2
+    assert len(after["steps_by_tree"]) >= 2
 
 
 @pytest.mark.parametrize(
@@ -328,10 +329,9 @@ def test_a_client_that_disconnects_frees_its_row(served: Served) -> None:
 
 
 def test_speed_guard_decodes_plainly_where_the_tree_does_not_pay() -> None:
-    from apps.batcher import SpeedGuard
-    from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
+    from mlx_redrafter.config import PLAIN_DECODING, TreeConfig
 
-    tree = BeamConfig(2, 3)
+    tree = TreeConfig(2, 3)
     guard = SpeedGuard(probe_every=3)
     assert guard.choose(tree, 4) == tree  # measure the tree first
     guard.record(tree, 4, seconds=0.30, tau=1.2)
@@ -350,9 +350,9 @@ def test_the_guard_decodes_plainly_when_the_tree_is_slow() -> None:
     """Wired into the worker: a tree measured ten times slower than a plain step (the
     step times are scaled here; on this tiny model verifying a tree is nearly free)
     gives way to plain decoding, and the text is the same."""
+    from mlx_redrafter.apps.batcher import Job
     from tiny_models import tiny_model
 
-    from apps.batcher import Job, SpeedGuard
     from mlx_redrafter.config import PLAIN_DECODING
     from mlx_redrafter.drafter import Drafter
     from mlx_redrafter.target import prepare_target
@@ -365,7 +365,7 @@ def test_the_guard_decodes_plainly_when_the_tree_is_slow() -> None:
     model = prepare_target(tiny_model("llama", seed=3))
     drafter = Drafter.create(model)
     tokenizer = chat_tokenizer()
-    batcher = Batcher(model, drafter, tokenizer, BeamPolicy.parse("4x4"), seed=0, guard=SlowTrees())
+    batcher = Batcher(model, drafter, tokenizer, TreePolicy.parse("4x4"), seed=0, guard=SlowTrees())
     done = threading.Event()
     texts: list[str] = []
 
@@ -377,7 +377,7 @@ def test_the_guard_decodes_plainly_when_the_tree_is_slow() -> None:
     batcher.submit(Job([1, 2, 3], collect, max_tokens=60))
     assert done.wait(60)
     batcher.close()
-    steps = batcher.stats.steps_by_beam
+    steps = batcher.session.stats.steps_by_tree
     assert steps["1x1"] > 3 * steps["4x4"]
     assert "".join(texts) == generate(model, None, tokenizer, [1, 2, 3], max_tokens=60)
 
@@ -385,11 +385,11 @@ def test_the_guard_decodes_plainly_when_the_tree_is_slow() -> None:
 def test_one_token_prompts_join_a_running_batch(trained_llama: Any) -> None:
     """A prompt of one token commits nothing at prefill; it must still join (and be
     joined by) rows whose caches hold keys."""
-    from apps.batcher import Job
+    from mlx_redrafter.apps.batcher import Job
 
     model, drafter, prompts = trained_llama
     tokenizer = chat_tokenizer()
-    batcher = Batcher(model, drafter, tokenizer, BeamPolicy.parse("3x3"), seed=0)
+    batcher = Batcher(model, drafter, tokenizer, TreePolicy.parse("3x3"), seed=0)
     requests = [[9], prompts[0], [17], [4]]
     texts = ["" for _ in requests]
     done = threading.Semaphore(0)
@@ -427,7 +427,7 @@ def test_the_serve_command(trained_llama: Any, tmp_path: Any) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     argv = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--model", str(model_dir)]
-    argv += ["--drafter", str(drafter_dir), "--port", str(port), "--beams", "2:3x3"]
+    argv += ["--drafter", str(drafter_dir), "--port", str(port), "--tree", "2:3x3"]
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"

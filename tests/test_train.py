@@ -16,13 +16,12 @@ from conftest import decode_tokens, random_prompts
 from mlx.utils import tree_flatten
 from tiny_models import tiny_model, tiny_tokenizer
 
-from mlx_redrafter import train as train_module
 from mlx_redrafter.cli import main
-from mlx_redrafter.config import PLAIN_DECODING, BeamConfig
+from mlx_redrafter.config import PLAIN_DECODING, TreeConfig
 from mlx_redrafter.distill import load_distilled
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.target import output_logits, prepare_target
-from mlx_redrafter.train import (
+from mlx_redrafter.training import (
     CheckpointError,
     TrainConfig,
     TrainingSequence,
@@ -35,6 +34,9 @@ from mlx_redrafter.train import (
     vocab_coverage,
     write_checkpoint,
 )
+from mlx_redrafter.training import checkpoints as checkpoints_module
+from mlx_redrafter.training import data as data_module
+from mlx_redrafter.training import loss as loss_module
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def data():
     """A tiny llama and 64 sequences of its own greedy continuations (prompt + reply)."""
     model = prepare_target(tiny_model("llama"))
     prompts = random_prompts(64, seed=5, lengths=(2, 8))
-    replies, _ = decode_tokens(model, None, prompts, BeamConfig(1, 1), max_tokens=32)
+    replies, _ = decode_tokens(model, None, prompts, TreeConfig(1, 1), max_tokens=32)
     sequences = [TrainingSequence(p + r, len(p)) for p, r in zip(prompts, replies)]
     ids = [f"s{i}" for i in range(len(sequences))]
     return model, sequences, ids
@@ -116,7 +118,7 @@ def test_soft_head_refuses_a_head_that_is_not_affine(monkeypatch):
     def capped(m, h):  # logit soft-capping, as some families apply
         return 5.0 * mx.tanh(output_logits(m, h) / 5.0)
 
-    monkeypatch.setattr(train_module, "output_logits", capped)
+    monkeypatch.setattr(loss_module, "output_logits", capped)
     assert soft_head(model, mx.array([1, 2]), dim=32) is None
 
 
@@ -130,8 +132,8 @@ def test_reduced_vocabulary_and_exit_dim_train_and_decode_faster(data):
     train(model, drafter, sequences, ids, CONFIG, progress=False)
     prompts = [s.tokens[: s.prompt_length] for s in sequences[:6]]
     tokenizer = tiny_tokenizer()
-    tau = measure_tau(model, drafter, tokenizer, prompts, beam=BeamConfig(2, 4), max_tokens=24)
-    plain = measure_tau(model, None, tokenizer, prompts, beam=PLAIN_DECODING, max_tokens=24)
+    tau = measure_tau(model, drafter, tokenizer, prompts, tree=TreeConfig(2, 4), max_tokens=24)
+    plain = measure_tau(model, None, tokenizer, prompts, tree=PLAIN_DECODING, max_tokens=24)
     assert plain.tau == 1.0
     assert tau.tau > 1.4  # the drafter is accepted: more than one token per target step
     assert tau.tokens == plain.tokens == 6 * 24
@@ -234,7 +236,7 @@ def test_full_disk_mid_checkpoint_keeps_the_previous_one(data, tmp_path, monkeyp
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(path, *args, **kwargs)
 
-    monkeypatch.setattr(train_module.mx, "save_safetensors", full_disk)
+    monkeypatch.setattr(checkpoints_module.mx, "save_safetensors", full_disk)
     drafter.update({"rnn_w": {"weight": mx.zeros_like(drafter.rnn_w.weight)}})
     with pytest.raises(CheckpointError, match="No space left.*ckpt-0000001 is intact"):
         write_checkpoint(tmp_path, 2, drafter, optimizer, {"step": 2})
@@ -263,8 +265,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["train", "--data", str(tmp_path / "empty"), "--output", str(tmp_path)]) == 2
     assert "holds no shard-*.npz shards" in capsys.readouterr().err
-    assert main(["train", "--data", "x", "--output", "y", "--tau-beams", "4by4"]) == 2
-    assert "--tau-beams" in capsys.readouterr().err
+    assert main(["train", "--data", "x", "--output", "y", "--tau-trees", "4by4"]) == 2
+    assert "--tau-trees" in capsys.readouterr().err
     assert main(["train", "--data", "x", "--output", "y", "--ngram-order", "-1"]) == 2
     assert "--ngram-order must be >= 0" in capsys.readouterr().err
 
@@ -282,7 +284,7 @@ def test_checkpoint_state_is_json(data, tmp_path, umask_022):
 
 
 def test_hidden_state_cache_is_reused(data, tmp_path, monkeypatch):
-    from mlx_redrafter.train import compute_hidden, make_window
+    from mlx_redrafter.training import compute_hidden, make_window
 
     model, sequences, _ = data
     first = [make_window(s) for s in sequences[:5]]
@@ -292,7 +294,7 @@ def test_hidden_state_cache_is_reused(data, tmp_path, monkeypatch):
     def no_target(*args, **kwargs):
         raise AssertionError("the cache should have answered")
 
-    monkeypatch.setattr(train_module, "target_hidden_states", no_target)
+    monkeypatch.setattr(data_module, "target_hidden_states", no_target)
     again = [make_window(s) for s in sequences[:5]]
     compute_hidden(model, sequences[:5], again, cache_dir=tmp_path, cache_tag="tiny")
     for a, b in zip(first, again):
@@ -303,7 +305,8 @@ def test_hidden_state_cache_is_reused(data, tmp_path, monkeypatch):
 
 def test_soft_labels_line_up_with_the_hard_ones(data):
     """On greedy self-distilled data the target's distribution peaks at the token it wrote."""
-    from mlx_redrafter.train import _soft_targets, compute_hidden, host_batch, make_window
+    from mlx_redrafter.training import compute_hidden, host_batch, make_window
+    from mlx_redrafter.training.loss import _soft_targets
 
     model, sequences, _ = data
     windows = [make_window(s) for s in sequences[:6]]
@@ -330,7 +333,8 @@ def test_soft_labels_line_up_with_the_hard_ones(data):
 
 def teacher_forcing(data, count, vocab_index=None):
     """The first `count` sequences as one micro-batch: (host batch, device batch, valid)."""
-    from mlx_redrafter.train import _device_batch, compute_hidden, host_batch, make_window
+    from mlx_redrafter.training import compute_hidden, host_batch, make_window
+    from mlx_redrafter.training.loss import _device_batch
 
     model, sequences, _ = data
     windows = [make_window(s) for s in sequences[:count]]
@@ -340,7 +344,7 @@ def teacher_forcing(data, count, vocab_index=None):
 
 
 def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
-    from mlx_redrafter.train import _loss_sums, _soft_targets
+    from mlx_redrafter.training.loss import _loss_sums, _soft_targets
 
     model = data[0]
     host, batch, valid = teacher_forcing(data, 4)
@@ -359,7 +363,7 @@ def test_soft_loss_with_every_token_kept_is_the_dense_loss(data):
 def test_hard_half_of_the_soft_loss_skips_tokens_outside_the_draft_vocabulary(data):
     """Targets outside the draft vocabulary are stored as index 0 with weight 0: the
     hard part of a mixed loss must not pull them toward draft token 0."""
-    from mlx_redrafter.train import SoftTargets, _loss_sums
+    from mlx_redrafter.training.loss import SoftTargets, _loss_sums
 
     model, sequences, _ = data
     vocab = choose_draft_vocab(sequences, 24)
@@ -419,7 +423,7 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
         "--micro-batch-size", "4", "--epochs", "10", "--learning-rate", "1e-2",
         "--validation-fraction", "0.2", "--eval-every", "5", "--tau-prompts", "8",
         "--tau-max-tokens", "24",
-        "--tau-beams", "2x4,1x1,0x4+1,0x4+1:text", "--export", str(tmp_path / "shipped"),
+        "--tau-trees", "2x4,1x1,0x4+1,0x4+1:text", "--export", str(tmp_path / "shipped"),
         "--export-dtype", "float16",
     ]  # fmt: skip
     assert main(run) == 0
@@ -428,7 +432,7 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
     assert "top-1 accuracy per draft step 1:" in err and "tau 2x4:" in err
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["steps"] == report["total_steps"] > 0
-    assert [t["beams"] for t in report["tau"]] == ["2x4", "1x1", "0x4+1", "0x4+1:text"]
+    assert [t["tree"] for t in report["tau"]] == ["2x4", "1x1", "0x4+1", "0x4+1:text"]
     assert report["tau"][1]["tau"] == 1.0 and report["tau"][0]["tau"] >= 1.0
     # The report decodes with the drafter as saved, n-gram table included: a lookup
     # beam with the table drafts otherwise than one from the text alone (with no table
@@ -452,7 +456,7 @@ def test_distill_then_train_from_the_command_line(tmp_path, capsys):
     drafted = [
         "distill", "--prompts", str(tmp_path / "prompts.jsonl"), "--output",
         str(tmp_path / "drafted"), "--max-tokens", "24", "--batch-size", "16", "--drafter",
-        str(tmp_path / "run" / "drafter"), "--beams", "2x3+1x5", *base,
+        str(tmp_path / "run" / "drafter"), "--tree", "2x3+1x5", *base,
     ]  # fmt: skip
     assert main(drafted) == 0
     plain = {d.id: d.tokens for d in load_distilled([data])}

@@ -25,23 +25,18 @@ BATCH, MICRO = 8, 4  # global batch of 8 sequences: 2 micro-batches of 4
 
 
 def _setup():
+    from conftest import decode_tokens
     from tiny_models import tiny_model
 
-    from mlx_redrafter.config import BeamConfig, SamplingConfig, StopConfig
-    from mlx_redrafter.decode import speculative_decode
+    from mlx_redrafter.config import TreeConfig
     from mlx_redrafter.drafter import Drafter
     from mlx_redrafter.target import prepare_target
-    from mlx_redrafter.train import TrainConfig, TrainingSequence
+    from mlx_redrafter.training import TrainConfig, TrainingSequence
 
     model = prepare_target(tiny_model("llama"))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 64, size=int(rng.integers(3, 8))).tolist() for _ in range(40)]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    for event in speculative_decode(
-        model, None, prompts, BeamConfig(1, 1), SamplingConfig(), StopConfig(max_tokens=24)
-    ):
-        for row, tokens in zip(event.row_ids, event.tokens):
-            outputs[row].extend(tokens)
+    outputs, _ = decode_tokens(model, None, prompts, TreeConfig(1, 1), 24)
     sequences = [TrainingSequence(p + o, len(p)) for p, o in zip(prompts, outputs)]
     ids = [f"seq-{i}" for i in range(len(sequences))]
     mx.random.seed(0)
@@ -62,7 +57,7 @@ def _setup():
 def _train_and_save(out: Path, group) -> None:
     from mlx.utils import tree_flatten
 
-    from mlx_redrafter.train import train
+    from mlx_redrafter.training import train
 
     model, drafter, sequences, ids, config = _setup()
     rank = 0 if group is None else group.rank()

@@ -1,9 +1,9 @@
-"""Tree packing, unpacking, masks and positions on small literal examples (docs/tree.md)."""
+"""Tree packing, unpacking, masks and positions on small literal examples (docs/algorithm.md)."""
 
 import mlx.core as mx
 import pytest
 
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.config import TreeConfig
 from mlx_redrafter.tree import (
     ABSENT,
     attention_mask,
@@ -120,7 +120,9 @@ def test_absent_tokens_end_a_beam():
     beams = pad_beams(mx.array([[[5, 7]]]), 4)
     assert beams.tolist() == [[[5, 7, ABSENT, ABSENT]]]
     beams = mx.concatenate([beams, mx.array([[[5, 3, 9, 4]]])], axis=1)
-    tree = pack_tree(beams, num_packed=BeamConfig(1, 2, lookup_beams=1, lookup_length=4).num_packed)
+    tree = pack_tree(
+        beams, num_packed=TreeConfig(1, 2, lookup_branches=1, lookup_length=4).num_packed
+    )
     assert tree.tokens.tolist() == [[5, 7, 3, 9, 4]]
     assert tree.depths.tolist() == [[0, 1, 1, 2, 3]]
     # Absent positions point at N = 5, as nodes cut by a budget do: never verified.
@@ -142,13 +144,15 @@ def test_a_beam_ends_at_its_first_absent_token():
 
 
 def test_beam_config_sizes():
-    assert BeamConfig(3, 3).num_packed == 7
-    assert BeamConfig(3, 3, share_prefixes=False).num_packed == 9
-    assert BeamConfig(3, 3, tree_budget=5).num_packed == 5
-    assert BeamConfig(1, 1).num_packed == 1
-    # Lookup beams of their own length: 1 + W (L - 1) + G (Ll - 1).
-    assert BeamConfig(1, 3, lookup_beams=1, lookup_length=7).num_packed == 1 + 2 + 6
-    assert BeamConfig(2, 4, lookup_beams=1, lookup_length=2).num_packed == 1 + 6 + 1
-    assert BeamConfig(1, 3, lookup_beams=1, lookup_length=7, share_prefixes=False).num_packed == 10
-    assert BeamConfig(1, 3, lookup_beams=1, lookup_length=7).longest_beam == 7
-    assert BeamConfig(2, 4, lookup_beams=1, lookup_length=2).longest_beam == 4
+    assert TreeConfig(3, 3).num_packed == 7
+    assert TreeConfig(3, 3, share_prefixes=False).num_packed == 9
+    assert TreeConfig(3, 3, tree_budget=5).num_packed == 5
+    assert TreeConfig(1, 1).num_packed == 1
+    # Lookup branches of their own length: 1 + W (L - 1) + G (Ll - 1).
+    assert TreeConfig(1, 3, lookup_branches=1, lookup_length=7).num_packed == 1 + 2 + 6
+    assert TreeConfig(2, 4, lookup_branches=1, lookup_length=2).num_packed == 1 + 6 + 1
+    assert (
+        TreeConfig(1, 3, lookup_branches=1, lookup_length=7, share_prefixes=False).num_packed == 10
+    )
+    assert TreeConfig(1, 3, lookup_branches=1, lookup_length=7).depth == 7
+    assert TreeConfig(2, 4, lookup_branches=1, lookup_length=2).depth == 4

@@ -32,8 +32,7 @@ function showFigures(figures) {
   $("tau").textContent = figures.tokens_per_step.toFixed(2);
   $("tps").textContent = figures.generation_tps.toFixed(1);
   $("accepted").textContent = String(figures.accepted_tokens);
-  $("beam").textContent = figures.beam_width === 1 && figures.beam_length === 1
-    ? "plain" : `${figures.beam_width}×${figures.beam_length}`;
+  $("tree").textContent = figures.tree === "1x1" ? "plain" : figures.tree;
   $("batch").textContent = String(figures.batch_size);
 }
 

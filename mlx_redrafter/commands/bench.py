@@ -15,10 +15,9 @@ from ..bench import (
     slow_blas_warning,
     write_result,
 )
-from ..config import SamplingConfig
-from ..generate import DEFAULT_BEAM
+from ..config import DEFAULT_TREE, SamplingConfig
 from ..prompts import MT_BENCH, encode_prompt, read_prompts
-from .common import load_from_args, parse_beams
+from .common import load_from_args, parse_trees
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -37,10 +36,10 @@ def register(commands: Any) -> None:
         "bench",
         help="measure ReDrafter against mlx-lm plain decoding",
         description="Runs mlx-lm plain decoding, this project's loop without a drafter, and "
-        "ReDrafter at each beam configuration (with and without tree packing), interleaved "
+        "ReDrafter at each tree (with and without tree packing), interleaved "
         "prompt by prompt in one process after a warm-up; prints a table and writes "
         "bench.json and PNG plots.",
-        epilog="example: mlx-redrafter bench --limit 64 --max-tokens 256 --beams 4x4,2x5 "
+        epilog="example: mlx-redrafter bench --limit 64 --max-tokens 256 --tree 4x4,2x5 "
         "--out runs/bench",
     )
     bench.add_argument("--model", help="MLX model folder or Hub id (default: embedded)")
@@ -54,12 +53,12 @@ def register(commands: Any) -> None:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--max-tokens", type=int, default=256)
     bench.add_argument(
-        "--beams",
-        type=parse_beams,
-        default=(DEFAULT_BEAM,),
-        help=f"beam configurations WxL, WxL+G (G lookup beams) or WxL+GxLl (lookup beams of Ll "
+        "--tree",
+        type=parse_trees,
+        default=(DEFAULT_TREE,),
+        help=f"trees WxL, WxL+G (G lookup branches) or WxL+GxLl (lookup branches of Ll "
         f"tokens), comma-separated (default "
-        f"{DEFAULT_BEAM.label}, the default of generation)",
+        f"{DEFAULT_TREE.label}, the default of generation)",
     )
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-p", type=float, default=1.0)
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--limit must be >= 1")
     config = BenchConfig(
         max_tokens=args.max_tokens,
-        beams=args.beams,
+        trees=args.tree,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k),
         unpacked=not args.no_unpacked,
         seed=args.seed,

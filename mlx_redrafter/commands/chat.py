@@ -6,10 +6,9 @@ import argparse
 import sys
 from typing import Any
 
-from ..config import PLAIN_DECODING
-from ..decode import decoding_beam
-from .common import describe_tree, load_from_args, parse_beam
-from .generate import add_beam_arguments, add_model_arguments
+from ..decode import plan_step
+from .common import describe_tree, load_from_args, parse_tree
+from .generate import add_model_arguments, add_tree_argument
 
 
 def register(commands: Any) -> None:
@@ -28,8 +27,9 @@ def register(commands: Any) -> None:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--top-k", type=int, default=0)
-    add_beam_arguments(chat)
+    add_tree_argument(chat)
     chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     chat.add_argument(
         "--show-drafts",
         action="store_true",
@@ -39,25 +39,26 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
+    from mlx_redrafter.apps.chat import DRAFTED, RESET, ChatSession, run_chat, terminal_input
 
-    beam = parse_beam(args.beams)
+    tree = parse_tree(args.tree)
     model, drafter, tokenizer = load_from_args(args)
     session = ChatSession(
         model,
         drafter,
         tokenizer,
-        beam=beam,
+        tree=tree,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        stop=tuple(args.stop or ()),
         system=args.system,
         show_drafts=args.show_drafts,
     )
-    plain = decoding_beam(drafter, beam) == PLAIN_DECODING
-    mode = describe_tree(drafter, beam)
+    plain = plan_step(tree, drafter is not None).plain
+    mode = describe_tree(drafter, tree)
     print(f"chat ({mode}); /help lists the commands, /quit leaves", file=sys.stderr)
     if args.show_drafts and not plain:
         print(f"{DRAFTED}green{RESET}: text from drafted tokens the target accepted")

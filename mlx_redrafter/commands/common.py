@@ -9,8 +9,8 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..config import PLAIN_DECODING, BeamConfig
-from ..decode import decoding_beam
+from ..config import TreeConfig
+from ..decode import plan_step
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load
 
@@ -26,25 +26,25 @@ def load_from_args(args: argparse.Namespace) -> tuple[nn.Module, Drafter | None,
     return model, None if no_drafter else drafter, tokenizer
 
 
-def parse_beams(text: str, option: str = "--beams") -> tuple[BeamConfig, ...]:
-    """'4x4,1x3+1' -> (BeamConfig(4, 4), BeamConfig(1, 3, lookup_beams=1)); see
-    BeamConfig.parse. A bad shape is a ValueError that names the option."""
+def parse_trees(text: str, option: str = "--tree") -> tuple[TreeConfig, ...]:
+    """'4x4,1x3+1' -> (TreeConfig(4, 4), TreeConfig(1, 3, lookup_branches=1)); see
+    TreeConfig.parse. A bad shape is a ValueError that names the option."""
     try:
-        return tuple(BeamConfig.parse(item) for item in text.split(","))
+        return tuple(TreeConfig.parse(item) for item in text.split(","))
     except ValueError as error:
         raise ValueError(f"{option}: {error}") from None
 
 
-def parse_beam(text: str, option: str = "--beams") -> BeamConfig:
-    """One tree, e.g. '1x2+1x7' (`parse_beams` of a single shape)."""
-    beams = parse_beams(text, option)
-    if len(beams) != 1:
+def parse_tree(text: str, option: str = "--tree") -> TreeConfig:
+    """One tree, e.g. '1x2+1x7' (`parse_trees` of a single shape)."""
+    trees = parse_trees(text, option)
+    if len(trees) != 1:
         raise ValueError(f"{option} takes one tree here, e.g. 1x2+1x7; got {text!r}")
-    return beams[0]
+    return trees[0]
 
 
-def describe_tree(drafter: Drafter | None, beam: BeamConfig) -> str:
-    """How a session with this drafter and tree decodes, for the user (see `decoding_beam`)."""
-    if decoding_beam(drafter, beam) == PLAIN_DECODING:
+def describe_tree(drafter: Drafter | None, tree: TreeConfig) -> str:
+    """How a session with this drafter and tree decodes, for the user (see `plan_step`)."""
+    if plan_step(tree, drafter is not None).plain:
         return "plain decoding"
-    return f"ReDrafter {beam.label} (W drafter beams x L, + lookup beams)"
+    return f"ReDrafter {tree.label} (W drafter beams x L, + lookup branches)"

@@ -8,11 +8,11 @@ import time
 import warnings
 from typing import Any
 
+from ..config import DEFAULT_TREE
 from ..distill import DistillConfig, balanced_order, distill
-from ..generate import DEFAULT_BEAM
 from ..loading import NoShippedDrafterWarning, load
 from ..prompts import read_prompts
-from .common import parse_beam
+from .common import parse_tree
 
 
 def _weights(text: str | None) -> dict[str, float]:
@@ -50,10 +50,10 @@ def register(commands: Any) -> None:
         help="decode with this drafter (speculative; same output in greedy mode, faster)",
     )
     parser.add_argument(
-        "--beams",
-        default=DEFAULT_BEAM.label,
-        help="the tree with --drafter, as in `bench --beams` (WxL, WxL+GxLl, ...; "
-        f"default {DEFAULT_BEAM.label}, the default of generation)",
+        "--tree",
+        default=DEFAULT_TREE.label,
+        help="the tree with --drafter, as in `bench --tree` (WxL, WxL+GxLl, ...; "
+        f"default {DEFAULT_TREE.label}, the default of generation)",
     )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -94,7 +94,7 @@ def _worker(text: str) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     worker = _worker(args.worker)
-    beam = parse_beam(args.beams)
+    tree = parse_tree(args.tree)
     records = read_prompts(args.prompts, strict=args.strict)
     order = balanced_order(records, _weights(args.source_weights), seed=args.seed)
     with warnings.catch_warnings():
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         limit=args.limit,
         worker=worker,
         drafter=drafter,
-        beam=beam,
+        tree=tree,
         progress=not args.quiet,
     ):
         shards += 1

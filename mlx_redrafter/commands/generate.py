@@ -7,8 +7,10 @@ import sys
 import time
 from typing import Any
 
-from ..generate import DEFAULT_BEAM, format_summary, stream_generate
-from .common import describe_tree, load_from_args, parse_beam
+from ..config import DEFAULT_TREE
+from ..generate import format_summary, stream_generate
+from ..prompts import chat_tokens
+from .common import describe_tree, load_from_args, parse_tree
 
 DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 
@@ -31,20 +33,20 @@ def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    add_beam_arguments(parser)
+    add_tree_argument(parser)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def add_beam_arguments(parser: argparse.ArgumentParser) -> None:
-    """--beams, the tree of each step (read with `common.parse_beam`)."""
+def add_tree_argument(parser: argparse.ArgumentParser) -> None:
+    """--tree, the tree of each step (read with `common.parse_tree`)."""
     parser.add_argument(
-        "--beams",
-        default=DEFAULT_BEAM.label,
-        help="the tree: WxL (W drafter beams of L tokens), WxL+GxLl (and G lookup beams "
+        "--tree",
+        default=DEFAULT_TREE.label,
+        help="the tree: WxL (W drafter beams of L tokens), WxL+GxLl (and G lookup branches "
         "of Ll tokens from the text or the drafter's n-gram table; ':text' after it: "
         "the text only), e.g. 2x2, 1x3+1x7, 0x5+1:text (no drafter needed); "
-        f"default {DEFAULT_BEAM.label}",
+        f"default {DEFAULT_TREE.label}",
     )
 
 
@@ -69,15 +71,14 @@ def register(commands: Any) -> None:
 
 
 def _chat_prompt(tokenizer: object, prompt: str, use_template: bool) -> str | list[int]:
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if not use_template or apply is None or getattr(tokenizer, "chat_template", None) is None:
+    """The prompt as one user turn of the chat template, or as raw text."""
+    if not use_template or not getattr(tokenizer, "chat_template", None):
         return prompt
-    messages = [{"role": "user", "content": prompt}]
-    return list(apply(messages, add_generation_prompt=True))
+    return chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def run(args: argparse.Namespace) -> int:
-    beam = parse_beam(args.beams)
+    tree = parse_tree(args.tree)
     model, drafter, tokenizer = load_from_args(args)
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
     started = time.perf_counter()
@@ -93,12 +94,12 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
-        beam=beam,
+        tree=tree,
     ):
         print(response.text, end="", flush=True)
         last = response
     print()
     if last is not None:
         summary = format_summary(last, time.perf_counter() - started)
-        print(f"==========\n{describe_tree(drafter, beam)}\n{summary}", file=sys.stderr)
+        print(f"==========\n{describe_tree(drafter, tree)}\n{summary}", file=sys.stderr)
     return 0

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..config import BeamConfig
+from ..config import TreeConfig
 from ..kernels import METAL_KERNELS, MLX_KERNELS, Kernels
 from ..tree import pack_tree
 
@@ -56,7 +56,7 @@ class Timing:
 
 
 def step_inputs(
-    batch_size: int, beam: BeamConfig, vocab_size: int, seed: int
+    batch_size: int, beam: TreeConfig, vocab_size: int, seed: int
 ) -> dict[str, tuple[Any, ...]]:
     """Random inputs of one step for each fused step: "expand" (scores, logits),
     "pack" (beams, N, share_prefixes), "accept" (beams, unpack, canonical, choices)."""
@@ -110,7 +110,7 @@ def _same(a: tuple[mx.array, ...], b: tuple[mx.array, ...]) -> bool:
 
 def benchmark(
     batch_size: int,
-    beam: BeamConfig,
+    beam: TreeConfig,
     vocab_size: int,
     iterations: int,
     warmup: int,
@@ -155,7 +155,7 @@ def benchmark(
 
 
 def run(args: argparse.Namespace) -> int:
-    beam = BeamConfig(args.beam_width, args.beam_length)
+    beam = TreeConfig(args.beam_width, args.beam_length)
     available = mx.metal.is_available()
     print(
         f"B={args.batch_size} W={beam.beam_width} L={beam.beam_length} Vd={args.vocab} "

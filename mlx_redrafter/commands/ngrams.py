@@ -5,24 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..distill import DistilledSequence, load_distilled
+from ..distill import load_distilled
 from ..drafter import Drafter
 from ..ngrams import NGRAMS_FILE, build_ngram_table, save_ngram_table
-from ..train import TrainConfig, split_validation
+from ..training import TrainConfig, training_replies
 
 
 def register(commands: Any) -> None:
     """Add the `ngrams` subcommand to the `mlx-redrafter` parser."""
     parser = commands.add_parser(
         "ngrams",
-        help="store an n-gram table of distilled replies beside a drafter (lookup beams)",
+        help="store an n-gram table of distilled replies beside a drafter (lookup branches)",
         description="Count the n-grams of the replies in distilled shards (the training "
         "split: the same held-out ids as `train`) and write, for each, the continuation "
-        f"the target wrote most often into DRAFTER/{NGRAMS_FILE}. Lookup beams with no "
+        f"the target wrote most often into DRAFTER/{NGRAMS_FILE}. Lookup branches with no "
         "match in the row's own text then copy it.",
         epilog="example: mlx-redrafter ngrams --data data/distilled --drafter runs/x/drafter",
     )
@@ -47,14 +46,6 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="as in `train`")
     parser.set_defaults(run=run)
-
-
-def training_replies(
-    records: Sequence[DistilledSequence], validation_fraction: float, seed: int
-) -> list[list[int]]:
-    """The replies of the records `train` learns from (its held-out ids left out)."""
-    held = split_validation([r.id for r in records], validation_fraction, seed)
-    return [r.tokens[r.prompt_length :] for r, h in zip(records, held) if not h]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULT_TREE
+from ..policy import SpeedGuard, TreePolicy
 from .common import load_from_args
 from .generate import add_model_arguments
 
@@ -30,16 +32,16 @@ def register(commands: Any) -> None:
     )
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument(
-        "--beams",
+        "--tree",
         default=None,
-        help="beam shape by batch size, MAXBATCH:WxL comma-separated, plain beyond the "
-        "last tier; 'plain' never speculates (default: the measured policy, "
-        "'1:3x3,4:2x3')",
+        help="the tree at every batch size (e.g. 1x2+1x7), or a tree per batch size, "
+        "MAXBATCH:TREE comma-separated, plain beyond the last tier; 'plain' never "
+        f"speculates (default: {DEFAULT_TREE.label} at every batch size)",
     )
     serve.add_argument(
-        "--fixed-beams",
+        "--fixed-tree",
         action="store_true",
-        help="always use the --beams shape; by default the server measures tau and step "
+        help="always use the --tree shape; by default the server measures tau and step "
         "times as it runs and decodes plainly where the tree does not pay",
     )
     serve.add_argument(
@@ -69,15 +71,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from apps.batcher import DEFAULT_POLICY, Batcher, BeamPolicy, SpeedGuard
-        from apps.server import Server, create_app
+        from mlx_redrafter.apps.batcher import Batcher
+        from mlx_redrafter.apps.server import Server, create_app
     except ImportError as error:
         raise ValueError(f"the server needs {SERVE_EXTRA}: {error}") from None
-    policy = DEFAULT_POLICY if args.beams is None else BeamPolicy.parse(args.beams)
+    policy = TreePolicy.fixed() if args.tree is None else TreePolicy.parse(args.tree)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     model, drafter, tokenizer = load_from_args(args)
-    guard = None if args.fixed_beams else SpeedGuard()
+    guard = None if args.fixed_tree else SpeedGuard()
     batcher = Batcher(
         model, drafter, tokenizer, policy, max_batch=args.max_batch, seed=args.seed, guard=guard
     )

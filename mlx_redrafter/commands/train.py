@@ -1,9 +1,13 @@
-"""`mlx-redrafter train`: train a drafter on distilled data, the target frozen."""
+"""`mlx-redrafter train`: train a drafter on distilled data, the target frozen.
+
+This module reads the options and prints; every step of the pipeline (the draft
+vocabulary, training, export, the n-gram table, the tau report, evaluation) is a
+function of `mlx_redrafter.training`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -13,27 +17,31 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import PLAIN_DECODING
-from ..distill import load_distilled
+from ..config import DEFAULT_TREE, PLAIN_DECODING, TreeConfig
+from ..distill import DistilledSequence, load_distilled
 from ..drafter import Drafter
-from ..generate import DEFAULT_BEAM
 from ..loading import NoShippedDrafterWarning, load, load_drafter
-from ..ngrams import build_ngram_table, save_ngram_table
-from ..prompts import encode_prompt, read_prompts
-from ..train import (
+from ..training import (
+    EXPORT_DTYPES,
     TrainConfig,
     TrainingSequence,
-    choose_draft_vocab,
-    compute_hidden,
-    make_window,
-    measure_tau,
-    split_validation,
+    TrainReport,
+    draft_vocabulary,
+    export_drafter,
+    held_out_prompts,
+    measure_trees,
+    new_drafter,
+    refuse_to_overwrite,
+    run_summary,
+    save_ngrams,
+    tau_prompts,
     train,
+    training_sequences,
     validate,
-    vocab_coverage,
+    windows_with_hidden,
+    write_json,
 )
-from .common import parse_beams
-from .ngrams import training_replies
+from .common import parse_trees
 
 
 def register(commands: Any) -> None:
@@ -53,7 +61,7 @@ def register(commands: Any) -> None:
     parser.add_argument("--export", help="also write the final drafter to this folder")
     parser.add_argument(
         "--export-dtype",
-        choices=["float32", "float16", "bfloat16"],
+        choices=list(EXPORT_DTYPES),
         default="float32",
         help="dtype of the exported weights (smaller files; cast back to float32 at load)",
     )
@@ -62,9 +70,26 @@ def register(commands: Any) -> None:
         type=int,
         default=2,
         help="store the n-gram table of the training replies (n <= this) with the drafter, "
-        "for lookup beams (as `mlx-redrafter ngrams`; 0: none)",
+        "for lookup branches (as `mlx-redrafter ngrams`; 0: none)",
     )
-    arch = parser.add_argument_group("drafter architecture (new drafters)")
+    _add_architecture(parser.add_argument_group("drafter architecture (new drafters)"))
+    _add_optimisation(parser.add_argument_group("optimisation"))
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    _add_report(parser.add_argument_group("final report"))
+    parser.add_argument(
+        "--hidden-cache",
+        help="folder that keeps the target's hidden states between runs (float16)",
+    )
+    parser.add_argument(
+        "--precompute-hidden",
+        action="store_true",
+        help="only fill --hidden-cache for all the data, then exit",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(run=run)
+
+
+def _add_architecture(arch: Any) -> None:
     arch.add_argument(
         "--draft-vocab",
         type=int,
@@ -74,7 +99,9 @@ def register(commands: Any) -> None:
     arch.add_argument("--exit-dim", type=int, default=None, help="head width (default 2 x hidden)")
     arch.add_argument("--num-layers", type=int, default=2, help="residual blocks")
     arch.add_argument("--no-rnn", action="store_true", help="running-sum recurrence")
-    opt = parser.add_argument_group("optimisation")
+
+
+def _add_optimisation(opt: Any) -> None:
     defaults = TrainConfig()
     opt.add_argument(
         "--num-steps",
@@ -108,8 +135,9 @@ def register(commands: Any) -> None:
     opt.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
     opt.add_argument("--seed", type=int, default=defaults.seed)
     opt.add_argument("--max-steps", type=int, default=None, help="stop early (resumable)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    report = parser.add_argument_group("final report")
+
+
+def _add_report(report: Any) -> None:
     report.add_argument(
         "--tau-prompts",
         type=int,
@@ -119,10 +147,10 @@ def register(commands: Any) -> None:
     )
     report.add_argument("--tau-max-tokens", type=int, default=128)
     report.add_argument(
-        "--tau-beams",
-        default=DEFAULT_BEAM.label,
-        help="beam shapes as in `bench --beams` (WxL, WxL+GxLl, ...), comma-separated "
-        f"(1x1: plain; default {DEFAULT_BEAM.label}, the default of generation)",
+        "--tau-trees",
+        default=DEFAULT_TREE.label,
+        help="beam shapes as in `bench --tree` (WxL, WxL+GxLl, ...), comma-separated "
+        f"(1x1: plain; default {DEFAULT_TREE.label}, the default of generation)",
     )
     report.add_argument(
         "--tau-file", help="decode these JSONL prompts (chat template) instead of held-out ones"
@@ -140,17 +168,6 @@ def register(commands: Any) -> None:
         "--data and/or its tau on --tau-file",
     )
     report.add_argument("--strict", action="store_true", help="fail on a bad --tau-file line")
-    parser.add_argument(
-        "--hidden-cache",
-        help="folder that keeps the target's hidden states between runs (float16)",
-    )
-    parser.add_argument(
-        "--precompute-hidden",
-        action="store_true",
-        help="only fill --hidden-cache for all the data, then exit",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.set_defaults(run=run)
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -173,20 +190,58 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _tau_prompts(args: argparse.Namespace, tokenizer: Any, held_out: list[list[int]]) -> tuple:
-    if args.tau_file:
-        records = read_prompts(args.tau_file, strict=args.strict)
-        prompts = [encode_prompt(tokenizer, r.messages, True) for r in records]
-        if args.tau_prompts and args.tau_prompts < len(prompts):
-            # Evenly spaced, so a subset spans every category of a sorted file.
-            count = args.tau_prompts
-            prompts = [prompts[i * len(prompts) // count] for i in range(count)]
-        return prompts, args.tau_file
-    return [p for p in held_out if p][: args.tau_prompts], "held-out prompts"
+def _load(model: str | None, drafter: str | None = None) -> tuple[Any, Drafter | None, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoShippedDrafterWarning)
+        return load(model, drafter)
+
+
+def _drafter(
+    args: argparse.Namespace,
+    config: TrainConfig,
+    model: Any,
+    tokenizer: Any,
+    sequences: list[TrainingSequence],
+    ids: list[str],
+    rank: int,
+) -> Drafter:
+    """--init-drafter, or a new drafter (on a draft vocabulary chosen from the data)."""
+    if args.init_drafter:
+        drafter = load_drafter(args.init_drafter)
+        drafter.check_fits(model)
+        return drafter
+    vocab_ids = None
+    if args.draft_vocab:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        vocab = draft_vocabulary(
+            sequences,
+            ids,
+            args.draft_vocab,
+            config.validation_fraction,
+            config.seed,
+            [eos] if eos else [],
+        )
+        vocab_ids = vocab.ids
+        if rank == 0:
+            print(
+                f"draft vocabulary: {len(vocab.ids)} tokens cover "
+                f"{vocab.training_coverage:.2%} of the training completions, "
+                f"{vocab.held_out_coverage:.2%} of the held-out ones",
+                file=sys.stderr,
+            )
+    return new_drafter(
+        model,
+        config.seed,
+        num_layers=args.num_layers,
+        rnn=not args.no_rnn,
+        exit_dim=args.exit_dim,
+        draft_vocab_ids=vocab_ids,
+    )
 
 
 def _tau_report(
     args: argparse.Namespace,
+    trees: tuple[TreeConfig, ...],
     model: Any,
     drafter: Drafter,
     tokenizer: Any,
@@ -194,23 +249,22 @@ def _tau_report(
     label: str,
 ) -> list[dict[str, Any]]:
     taus = []
-    for beam in parse_beams(args.tau_beams, "--tau-beams"):
-        plain = beam == PLAIN_DECODING
-        tau = measure_tau(
-            model,
-            None if plain else drafter,
-            tokenizer,
-            prompts,
-            beam=beam,
-            max_tokens=args.tau_max_tokens,
-            batch_size=args.tau_batch_size,
-        )
-        taus.append({"beams": beam.label, **asdict(tau)})
-        mode = "plain decoding" if plain else beam.label
+    batch_size = args.tau_batch_size
+    for tree, tau in measure_trees(
+        model,
+        drafter,
+        tokenizer,
+        prompts,
+        trees,
+        max_tokens=args.tau_max_tokens,
+        batch_size=batch_size,
+    ):
+        taus.append({"tree": tree.label, **asdict(tau)})
+        mode = "plain decoding" if tree == PLAIN_DECODING else tree.label
         print(
             f"tau {mode}: {tau.tau:.3f} tokens/step over {tau.prompts} prompts of {label} "
             f"({tau.tokens} tokens, {tau.steps} target steps; {tau.tokens_per_second:.1f} "
-            f"tokens/s per request at batch {args.tau_batch_size})",
+            f"tokens/s per request at batch {batch_size})",
             file=sys.stderr,
         )
     return taus
@@ -218,30 +272,25 @@ def _tau_report(
 
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
-    parse_beams(args.tau_beams, "--tau-beams")  # check early
+    trees = parse_trees(args.tau_trees, "--tau-trees")  # check early
     if args.ngram_order < 0:
         raise ValueError("--ngram-order must be >= 0 (0: no n-gram table)")
     group = mx.distributed.init()
-    rank = group.rank()
-    distributed = group if group.size() > 1 else None
     if args.evaluate_only:
-        return _evaluate_only(args)
+        return _evaluate_only(args, config, trees)
     if not args.data:
         raise ValueError("--data is required: a folder written by `mlx-redrafter distill`")
     records = load_distilled(args.data)
-    sequences = [TrainingSequence(r.tokens, r.prompt_length) for r in records]
-    ids = [r.id for r in records]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NoShippedDrafterWarning)
-        model, _, tokenizer = load(args.model, None)
+    sequences, ids = training_sequences(records)
+    model, _, tokenizer = _load(args.model)
     cache_tag = str(args.model or "default")
     if args.precompute_hidden:
         if not args.hidden_cache:
             raise ValueError("--precompute-hidden needs --hidden-cache")
-        compute_hidden(
+        windows_with_hidden(
             model,
             sequences,
-            [make_window(s) for s in sequences],
+            range(len(sequences)),
             progress=not args.quiet,
             cache_dir=args.hidden_cache,
             cache_tag=cache_tag,
@@ -250,38 +299,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.output:
         raise ValueError("--output is required (the run folder)")
     output = Path(args.output)
-    checkpoints = output / "checkpoints"
-    if args.init_drafter:
-        drafter = load_drafter(args.init_drafter)
-        drafter.check_fits(model)
-    else:
-        vocab_ids = None
-        if args.draft_vocab:
-            held = split_validation(ids, config.validation_fraction, config.seed)
-            training = [s for s, h in zip(sequences, held) if not h]
-            eos = getattr(tokenizer, "eos_token_id", None)
-            vocab_ids = choose_draft_vocab(training, args.draft_vocab, [eos] if eos else [])
-            if rank == 0:
-                heldout = [s for s, h in zip(sequences, held) if h]
-                print(
-                    f"draft vocabulary: {len(vocab_ids)} tokens cover "
-                    f"{vocab_coverage(training, vocab_ids):.2%} of the training completions, "
-                    f"{vocab_coverage(heldout, vocab_ids):.2%} of the held-out ones",
-                    file=sys.stderr,
-                )
-        mx.random.seed(config.seed)
-        drafter = Drafter.create(
-            model,
-            num_draft_layers=args.num_layers,
-            rnn=not args.no_rnn,
-            exit_dim=args.exit_dim,
-            draft_vocab_ids=vocab_ids,
-        )
-    if not args.resume and (checkpoints / "LATEST").exists():
-        raise FileExistsError(
-            f"{checkpoints} already holds a checkpoint: pass --resume to continue it, "
-            "or choose another --output"
-        )
+    drafter = _drafter(args, config, model, tokenizer, sequences, ids, group.rank())
+    refuse_to_overwrite(output / "checkpoints", args.resume)
     started = time.perf_counter()
     result = train(
         model,
@@ -289,31 +308,30 @@ def run(args: argparse.Namespace) -> int:
         sequences,
         ids,
         config,
-        checkpoint_dir=checkpoints,
+        checkpoint_dir=output / "checkpoints",
         resume=args.resume,
-        group=distributed,
+        group=group if group.size() > 1 else None,
         progress=not args.quiet,
         max_steps=args.max_steps,
         hidden_cache=args.hidden_cache,
         hidden_cache_tag=cache_tag,
     )
-    if rank != 0:
+    if group.rank() != 0:
         return 0
     wall = time.perf_counter() - started
-    summary: dict[str, Any] = {
-        "steps": result.steps,
-        "total_steps": result.total_steps,
-        "drafter": drafter.config.to_dict(),
-        "train": {
-            "config": asdict(config),
-            "sequences": len(sequences),
-            "hidden_seconds": round(result.hidden_seconds, 1),
-            "train_seconds": round(result.seconds, 1),
-            "wall_seconds": round(wall, 1),
-            "positions_per_second": round(result.tokens_per_second, 1),
-        },
-        "validation": result.validation,  # every evaluation, step 0 first
-    }
+    summary = run_summary(result, drafter, config, len(sequences), wall)
+    _print_run(result, wall)
+    _save(args, config, drafter, records, summary)
+    if args.tau_prompts and result.steps >= result.total_steps:
+        held_out = held_out_prompts(sequences, ids, config.validation_fraction, config.seed)
+        prompts, label = _tau_prompts(args, tokenizer, held_out)
+        saved = Drafter.load(output / "drafter")  # what was written, n-gram table included
+        summary["tau"] = _tau_report(args, trees, model, saved, tokenizer, prompts, label)
+    write_json(output / "report.json", summary)
+    return 0
+
+
+def _print_run(result: TrainReport, wall: float) -> None:
     print(
         f"trained {result.steps}/{result.total_steps} steps in {result.seconds:.0f} s "
         f"({result.tokens_per_second:.0f} positions/s; target hidden states "
@@ -323,26 +341,37 @@ def run(args: argparse.Namespace) -> int:
     if result.validation:
         last = result.validation[-1]
         print(f"validation (step {last['step']}): {_validation_text(last)}", file=sys.stderr)
-    drafter.save(output / "drafter", overwrite=True)
+
+
+def _save(
+    args: argparse.Namespace,
+    config: TrainConfig,
+    drafter: Drafter,
+    records: list[DistilledSequence],
+    summary: dict[str, Any],
+) -> None:
+    """The drafter into the run folder, --export, and the n-gram table beside both."""
+    folders = [Path(args.output) / "drafter"]
+    drafter.save(folders[0], overwrite=True)
     if args.export:
-        _export(drafter, args.export, args.export_dtype)
+        export_drafter(drafter, args.export, args.export_dtype)
+        folders.append(Path(args.export))
         print(f"exported the drafter to {args.export} ({args.export_dtype})", file=sys.stderr)
     if args.ngram_order:
-        # The lookup beams' n-gram table of the same training replies (`mlx-redrafter ngrams`).
-        replies = training_replies(records, config.validation_fraction, config.seed)
-        table = build_ngram_table(replies, order=args.ngram_order)
-        for folder in [output / "drafter"] + ([Path(args.export)] if args.export else []):
-            save_ngram_table(table, folder)
+        # The lookup branches' n-gram table of the same training replies (`mlx-redrafter ngrams`).
+        table = save_ngrams(
+            records, config.validation_fraction, config.seed, args.ngram_order, folders
+        )
         summary["ngrams"] = {"order": table.order, "entries": table.size}
         print(f"n-gram table: {table.size} entries (n <= {table.order})", file=sys.stderr)
-    if args.tau_prompts and result.steps >= result.total_steps:
-        held = split_validation(ids, config.validation_fraction, config.seed)
-        held_out = [s.tokens[: s.prompt_length] for s, h in zip(sequences, held) if h]
-        prompts, label = _tau_prompts(args, tokenizer, held_out)
-        saved = Drafter.load(output / "drafter")  # what was written, n-gram table included
-        summary["tau"] = _tau_report(args, model, saved, tokenizer, prompts, label)
-    (output / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
+
+
+def _tau_prompts(
+    args: argparse.Namespace, tokenizer: Any, held_out: list[list[int]]
+) -> tuple[list[list[int]], str]:
+    return tau_prompts(
+        tokenizer, held_out, path=args.tau_file, count=args.tau_prompts, strict=args.strict
+    )
 
 
 def _validation_text(metrics: dict[str, Any]) -> str:
@@ -350,26 +379,26 @@ def _validation_text(metrics: dict[str, Any]) -> str:
     return f"loss {metrics['loss']:.3f}, top-1 accuracy per draft step {accuracy}"
 
 
-def _evaluate_only(args: argparse.Namespace) -> int:
+def _evaluate_only(
+    args: argparse.Namespace, config: TrainConfig, trees: tuple[TreeConfig, ...]
+) -> int:
     if not args.tau_file and not args.data:
         raise ValueError(
             "--evaluate-only needs --tau-file (a JSONL of prompts to decode) and/or --data "
             "(distilled folders: accuracy on their validation split)"
         )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, args.init_drafter)
+    model, drafter, tokenizer = _load(args.model, args.init_drafter)
     if drafter is None:
         raise ValueError("--evaluate-only needs a drafter: pass --init-drafter <folder>")
     result: dict[str, Any] = {}
     if args.data:
-        records = load_distilled(args.data)
+        sequences, ids = training_sequences(load_distilled(args.data))
         metrics = validate(
             model,
             drafter,
-            [TrainingSequence(r.tokens, r.prompt_length) for r in records],
-            [r.id for r in records],
-            _config(args),
+            sequences,
+            ids,
+            config,
             progress=not args.quiet,
             hidden_cache=args.hidden_cache,
             hidden_cache_tag=str(args.model or "default"),
@@ -381,20 +410,7 @@ def _evaluate_only(args: argparse.Namespace) -> int:
         )
     if args.tau_file:
         prompts, label = _tau_prompts(args, tokenizer, [])
-        result["tau"] = _tau_report(args, model, drafter, tokenizer, prompts, label)
+        result["tau"] = _tau_report(args, trees, model, drafter, tokenizer, prompts, label)
     if args.output:
-        Path(args.output).mkdir(parents=True, exist_ok=True)
-        (Path(args.output) / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_json(Path(args.output) / "evaluation.json", result)
     return 0
-
-
-def _export(drafter: Drafter, path: str, dtype_name: str) -> None:
-    dtype = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}[dtype_name]
-    if dtype == mx.float32:
-        drafter.save(path, overwrite=True)
-        return
-    drafter.set_dtype(dtype)
-    try:
-        drafter.save(path, overwrite=True)
-    finally:
-        drafter.set_dtype(mx.float32)

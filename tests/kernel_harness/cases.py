@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import numpy as np
 
-from mlx_redrafter.config import BeamConfig
+from mlx_redrafter.config import TreeConfig
 from mlx_redrafter.tree import ABSENT, pack_tree
 
 
@@ -74,7 +74,7 @@ def accept_inputs(shape, share_prefixes, budget_cut, rng: random.Random, ragged=
     choices that often follow a beam all the way (full-length acceptances happen).
     ragged: beams of different lengths (tails ABSENT)."""
     batch, width, length = shape
-    beam = BeamConfig(width, length, share_prefixes=share_prefixes)
+    beam = TreeConfig(width, length, share_prefixes=share_prefixes)
     num_packed = beam.max_tree_size
     if budget_cut:
         num_packed = max(length, num_packed - rng.randint(1, max(1, width)))
@@ -117,7 +117,7 @@ def pack_cases():
     rng = random.Random(1)
     for batch, width, length in ACCEPT_SHAPES:
         for share_prefixes in (True, False):
-            full = BeamConfig(width, length, share_prefixes=share_prefixes).max_tree_size
+            full = TreeConfig(width, length, share_prefixes=share_prefixes).max_tree_size
             for budget in sorted({full, max(length, full - 1), length}):
                 for kind in ("random", "identical", "distinct", "ragged"):
                     if kind in ("random", "ragged"):

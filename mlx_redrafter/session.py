@@ -1,0 +1,481 @@
+"""The decoding session: the one engine behind the API, chat, server and benchmark.
+
+A `DecodingSession` owns a batch of requests in flight: the target's cache, each
+request's stop rules (max_tokens, EOS, the context limit, stop strings), its
+incremental detokenization and its metrics. Every `step` is
+
+    draft -> pack tree -> verify -> accept -> commit cache -> yield
+
+for all rows at once (`decode.decode_step`), after which each row's new tokens go
+through its stop rules and text, and finished rows leave the batch. Requests may
+join between steps (`add` prefills them and appends them to the running batch).
+
+The API decodes its prompts with `run`; the server's worker thread calls `add` and
+`step` itself (continuous batching); the benchmark and distillation use token ids
+alone (no tokenizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import PLAIN_DECODING, CacheConfig, SamplingConfig, StopConfig, TreeConfig, as_tree
+from .decode import (
+    DecodeState,
+    PhaseClock,
+    StepFunctions,
+    decode_step,
+    plan_step,
+    prefill,
+    step_functions,
+)
+from .drafter import Drafter
+from .kernels import Kernels
+from .metrics import RequestMetrics
+from .policy import SpeedGuard, TreePolicy
+from .target import context_length, prepare_target
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request in token ids.
+
+    key: the request's MLX PRNG key (2,); required when it samples. Its token at
+    position p is drawn with noise keyed by (key, p), so a seeded request gives the
+    same tokens whatever tree decodes it and whatever shares its batch.
+    """
+
+    prompt: Sequence[int]
+    sampling: SamplingConfig = SamplingConfig()
+    stop: StopConfig = StopConfig()
+    key: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one step gave one request.
+
+    text: the new text (stop strings and anything after them cut; text that may
+    begin a stop string is held back until the next tokens show it does not).
+    tokens: the token ids emitted in this step: `num_accepted` drafted tokens the
+    target accepted, then its own token (fewer when the request stopped).
+    finish_reason: None while running; "stop" (EOS or a stop string), "length" or
+    "cancelled" (or "error" where a server reports a failed step, with `error`).
+    metrics: the request's running figures after this step.
+    tree: the tree this step used (PLAIN_DECODING when it decoded plainly);
+    tree_size: distinct prefixes it verified for this request; batch_size: rows.
+    """
+
+    request: int
+    text: str
+    tokens: list[int]
+    num_accepted: int
+    finish_reason: str | None
+    metrics: RequestMetrics
+    tree: TreeConfig = PLAIN_DECODING
+    tree_size: int = 1
+    batch_size: int = 0
+    error: str | None = None
+
+    @classmethod
+    def unstarted(
+        cls, request: int, prompt_tokens: int, reason: str, error: str | None = None
+    ) -> Update:
+        """The last update of a request that ends without a step (cancelled, failed)."""
+        return cls(request, "", [], 0, reason, RequestMetrics(prompt_tokens), error=error)
+
+
+def stop_config(tokenizer: Any, max_tokens: int, stop: Sequence[str] | str | None) -> StopConfig:
+    """The stop rules of a request: max_tokens, the tokenizer's EOS ids, stop strings."""
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
+    return StopConfig(max_tokens, eos, strings)
+
+
+def request_keys(seed: int | None, count: int) -> list[mx.array]:
+    """One PRNG key per request, split from `seed` (None: a random seed)."""
+    key = mx.random.key(seed if seed is not None else secrets.randbits(32))
+    return list(mx.random.split(key, count)) if count else []
+
+
+class StopText:
+    """Incremental detokenization of one request, with its stop strings.
+
+    Text that could be the start of a stop string is held back until the next tokens
+    show it is not, so no part of a stop string ever reaches the caller, streamed or
+    not, even when it spans several steps.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str]):
+        self.detokenizer = tokenizer.detokenizer  # a fresh copy per access
+        self.detokenizer.reset()
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""  # decoded, not yet released
+        self.stopped = False
+
+    def _held(self) -> int:
+        """Length of the longest end of `pending` that begins some stop string."""
+        for size in range(min(len(self.pending), max(map(len, self.stops)) - 1), 0, -1):
+            tail = self.pending[-size:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return size
+        return 0
+
+    def add(self, tokens: Sequence[int], final: bool) -> str:
+        """The new text to release after these tokens (all of it when final)."""
+        for token in tokens:
+            self.detokenizer.add_token(token)
+        if final:
+            self.detokenizer.finalize()
+        self.pending += self.detokenizer.last_segment
+        if self.stops:
+            hits = [i for stop in self.stops if (i := self.pending.find(stop)) >= 0]
+            if hits:
+                self.stopped = True
+                released, self.pending = self.pending[: min(hits)], ""
+                return released
+            if not final:
+                cut = len(self.pending) - self._held()
+                released, self.pending = self.pending[:cut], self.pending[cut:]
+                return released
+        released, self.pending = self.pending, ""
+        return released
+
+
+@dataclass
+class RowProgress:
+    """Host-side stop rules of one row: max_tokens, EOS ids, the context limit."""
+
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    generated: int = 0
+
+    def take(
+        self, tokens: list[int], committed: int, depth: int, limit: int | None
+    ) -> tuple[list[int], int, str | None]:
+        """Apply the stop rules to a step's new tokens.
+
+        committed: the row's committed length after the step; depth: the most tokens
+        the next step may add; limit: the model's context.
+        Returns (tokens kept, tokens counted for tau, finish reason or None).
+        """
+        tokens = tokens[: self.max_tokens - self.generated]
+        reason = None
+        for position, token in enumerate(tokens):
+            if token in self.eos_token_ids:
+                tokens, reason = tokens[:position], "stop"
+                break
+        self.generated += len(tokens)
+        if reason is None and (
+            self.generated >= self.max_tokens or (limit is not None and committed + depth > limit)
+        ):
+            reason = "length"
+        return tokens, len(tokens) + (reason == "stop"), reason
+
+
+@dataclass
+class _Row:
+    """A request in flight."""
+
+    id: int
+    request: Request
+    progress: RowProgress
+    text: StopText | None
+    metrics: RequestMetrics
+    cancelled: bool = False
+
+    def advance(
+        self, tokens: list[int], committed: int, depth: int, limit: int | None
+    ) -> tuple[list[int], int, str, str | None]:
+        """A step's new tokens through the stop rules and the text.
+
+        Returns (tokens kept, tokens counted for tau, new text, finish reason or None).
+        """
+        kept, counted, ended = self.progress.take(tokens, committed, depth, limit)
+        text = "" if self.text is None else self.text.add(kept, final=ended is not None)
+        if self.text is not None and self.text.stopped:
+            ended = "stop"
+        if ended is None and self.cancelled:
+            ended = "cancelled"
+        return kept, counted, text, ended
+
+
+@dataclass
+class SessionStats:
+    """Counters of a session's steps."""
+
+    steps: int = 0
+    largest_batch: int = 0
+    steps_by_tree: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def wired_limit(model: nn.Module) -> Iterator[None]:
+    """On Metal, wire the model's memory while decoding (as mlx-lm does for models that
+    take a large share of the GPU's working set); a no-op on other backends."""
+    if not mx.metal.is_available():
+        yield
+        return
+    limit = int(mx.metal.device_info()["max_recommended_working_set_size"])
+    old = mx.set_wired_limit(limit)
+    try:
+        yield
+    finally:
+        mx.synchronize()
+        mx.set_wired_limit(old)
+
+
+class DecodingSession:
+    """Requests decoded together, one speculative step at a time.
+
+    model: an mlx-lm model (prepared for tree verification here); drafter: None
+    decodes plainly, or with lookup branches alone for a tree of W = 0; tokenizer:
+    mlx-lm's tokenizer wrapper, or None for token ids alone (no text, no stop
+    strings); tree: a `TreeConfig` or its notation (None: `DEFAULT_TREE`), or a
+    `TreePolicy` (a tree per batch size); guard: a `SpeedGuard` that decodes plainly
+    where the tree measurably does not pay; clock: profile each step's phases.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        drafter: Drafter | None,
+        tokenizer: Any = None,
+        *,
+        tree: TreeConfig | TreePolicy | str | None = None,
+        cache: CacheConfig | None = None,
+        guard: SpeedGuard | None = None,
+        compiled: bool | None = None,
+        kernels: str | Kernels | None = None,
+        clock: PhaseClock | None = None,
+        prefetch: bool = True,
+    ):
+        prepare_target(model)
+        if drafter is not None:
+            drafter.check_fits(model)
+        self.policy = tree if isinstance(tree, TreePolicy) else TreePolicy.fixed(as_tree(tree))
+        for candidate in self.policy.trees:
+            check_tree(candidate, drafter)
+        self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
+        self.cache_config = cache or CacheConfig()
+        self.guard, self.clock, self.prefetch = guard, clock, prefetch
+        self.compiled, self.kernels = compiled, kernels
+        plans = [plan_step(t, drafter is not None) for t in self.policy.trees]
+        self.depth = max(plan.depth for plan in plans)  # the context check looks ahead
+        self.limit = context_length(model)
+        self.vocab_size = int(model.model.embed_tokens.weight.shape[0])
+        self.stats = SessionStats()
+        self.state: DecodeState | None = None
+        self._rows: dict[int, _Row] = {}
+        self._unstarted: list[Update] = []
+        self._functions: dict[TreeConfig, StepFunctions] = {}
+        self._ids = itertools.count()
+        self._streams: dict[int, Any] = {}
+
+    # -- requests -------------------------------------------------------------------
+
+    def check_prompt(self, prompt: Sequence[int]) -> str | None:
+        """Why this prompt cannot be decoded (what to change), or None."""
+        if not prompt:
+            return "the prompt is empty: give at least one token or a non-empty string"
+        if self.limit is not None and len(prompt) >= self.limit:
+            return (
+                f"the prompt has {len(prompt)} tokens but the model's context is "
+                f"{self.limit} positions: shorten the prompt"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+        return None
+
+    def _check(self, request: Request) -> None:
+        problem = self.check_prompt(request.prompt)
+        if problem is not None:
+            raise ValueError(problem)
+        if request.key is None and not request.sampling.greedy:
+            raise ValueError("a sampled request needs a PRNG key (mx.random.key(seed))")
+        if request.stop.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: give the session one")
+
+    def add(self, requests: Sequence[Request], ids: Sequence[int] | None = None) -> list[int]:
+        """Prefill the requests together and let them join the batch at the next step.
+
+        Returns their ids (`ids` if given, else new ones). Every request is checked
+        before any work starts; a bad one raises ValueError saying what to change.
+        """
+        for request in requests:
+            self._check(request)
+        ids = [next(self._ids) for _ in requests] if ids is None else list(ids)
+        starting = []
+        for request_id, request in zip(ids, requests):
+            row = self._new_row(request_id, request)
+            if request.stop.max_tokens == 0:
+                self._unstarted.append(self._update(row, [], "", 0, "length"))
+            else:
+                starting.append(row)
+        if starting:
+            self._prefill(starting)
+        return ids
+
+    def _new_row(self, request_id: int, request: Request) -> _Row:
+        text = None
+        if self.tokenizer is not None:
+            text = StopText(self.tokenizer, request.stop.stop_strings)
+        progress = RowProgress(request.stop.max_tokens, request.stop.eos_token_ids)
+        return _Row(request_id, request, progress, text, RequestMetrics(len(request.prompt)))
+
+    def _prefill(self, rows: list[_Row]) -> None:
+        started = time.perf_counter()
+        keys = [row.request.key for row in rows if row.request.key is not None]
+        with mx.stream(self._stream()):
+            fresh = prefill(
+                self.model,
+                [list(row.request.prompt) for row in rows],
+                self.cache_config,
+                sampling=[row.request.sampling for row in rows],
+                row_ids=[row.id for row in rows],
+                keys=mx.stack(keys) if len(keys) == len(rows) else None,
+            )
+        seconds = time.perf_counter() - started
+        for row in rows:
+            row.metrics.prompt_seconds = seconds
+            self._rows[row.id] = row
+        if self.state is None or not self.state.row_ids:
+            self.state = fresh
+        else:
+            self.state.extend(fresh)
+
+    def cancel(self, request_id: int) -> None:
+        """End a request before its next step (its last update says "cancelled")."""
+        row = self._rows.get(request_id)
+        if row is not None:
+            row.cancelled = True
+
+    @property
+    def active(self) -> int:
+        """Requests that still have updates to give."""
+        return len(self._rows) + len(self._unstarted)
+
+    def close(self, reason: str = "cancelled") -> list[Update]:
+        """End every request now; returns their last updates."""
+        updates = self._unstarted + [
+            self._update(r, [], "", 0, reason) for r in self._rows.values()
+        ]
+        self._rows, self._unstarted, self.state = {}, [], None
+        return updates
+
+    # -- steps ----------------------------------------------------------------------
+
+    def _stream(self) -> Any:
+        """This thread's generation stream (MLX streams belong to the thread that made
+        them), created on first use."""
+        thread = threading.get_ident()
+        if thread not in self._streams:
+            self._streams[thread] = mx.new_stream(mx.default_device())
+        return self._streams[thread]
+
+    def step_functions(self, tree: TreeConfig) -> StepFunctions:
+        """The step functions of `tree`, built once per session."""
+        if tree not in self._functions:
+            self._functions[tree] = step_functions(
+                self.model, self.drafter, tree, self.compiled, self.kernels
+            )
+        return self._functions[tree]
+
+    def choose_tree(self, batch_size: int) -> TreeConfig:
+        """The tree of the next step: the policy's, unless the guard says plain."""
+        tree = self.policy.tree_for(batch_size)
+        return self.guard.choose(tree, batch_size) if self.guard is not None else tree
+
+    def step(self) -> list[Update]:
+        """One step of every request in flight; one update per request."""
+        updates, self._unstarted = self._unstarted, []
+        state = self.state
+        if state is None or not state.row_ids:
+            return updates
+        batch_size = len(state.row_ids)
+        tree = self.choose_tree(batch_size)
+        steps = self.step_functions(tree)
+        started = time.perf_counter()
+        if self.clock is not None:
+            self.clock.start()
+        with mx.stream(self._stream()):
+            output = decode_step(self.model, steps, state, self.clock, self.prefetch)
+        seconds = time.perf_counter() - started
+        used = PLAIN_DECODING if steps.plan.plain else tree
+        self._count(used, batch_size, seconds, output.num_accepted)
+        keep = []
+        for position, request_id in enumerate(list(state.row_ids)):
+            row = self._rows[request_id]
+            accepted = output.num_accepted[position]
+            kept, counted, text, ended = row.advance(
+                output.tokens[position], state.cache.host_lengths[position], self.depth, self.limit
+            )
+            row.metrics.record(len(kept), counted, accepted, seconds)
+            step = (used, output.tree_sizes[position], batch_size)
+            updates.append(self._update(row, kept, text, accepted, ended, *step))
+            if ended is None:
+                keep.append(position)
+            else:
+                del self._rows[request_id]
+        if not keep:
+            self.state = None
+        elif len(keep) != batch_size:
+            state.select_rows(keep)
+        return updates
+
+    def _count(
+        self, tree: TreeConfig, batch_size: int, seconds: float, accepted: list[int]
+    ) -> None:
+        if self.guard is not None:
+            self.guard.record(tree, batch_size, seconds, 1 + sum(accepted) / batch_size)
+        self.stats.steps += 1
+        self.stats.largest_batch = max(self.stats.largest_batch, batch_size)
+        label = tree.label
+        self.stats.steps_by_tree[label] = self.stats.steps_by_tree.get(label, 0) + 1
+
+    @staticmethod
+    def _update(
+        row: _Row,
+        tokens: list[int],
+        text: str,
+        accepted: int,
+        reason: str | None,
+        tree: TreeConfig = PLAIN_DECODING,
+        size: int = 1,
+        batch_size: int = 0,
+    ) -> Update:
+        metrics = row.metrics.snapshot()
+        return Update(row.id, text, tokens, accepted, reason, metrics, tree, size, batch_size)
+
+    def run(
+        self, requests: Sequence[Request], ids: Sequence[int] | None = None
+    ) -> Iterator[Update]:
+        """Decode the requests together to the end; yields every update as it comes.
+
+        ids: the requests' ids in the updates (default: new ids); a session may run
+        one batch after another, so ids 0..B-1 may be used again once a run ends.
+        """
+        self.add(requests, ids)
+        with wired_limit(self.model):
+            while self.active:
+                yield from self.step()
+
+
+def check_tree(tree: TreeConfig, drafter: Drafter | None) -> None:
+    """A tree the drafter can draft: W no larger than its vocabulary."""
+    if drafter is not None and tree.beam_width > drafter.config.output_size:
+        raise ValueError(
+            f"beam_width {tree.beam_width} exceeds the drafter's vocabulary of "
+            f"{drafter.config.output_size} tokens: use a smaller beam_width"
+        )
