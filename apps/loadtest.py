@@ -93,7 +93,10 @@ def step_costs(args: argparse.Namespace) -> int:
             for i in range(batch_size)
         ]
         sessions = [
-            DecodingSession(model, None if tree == PLAIN_DECODING else drafter, tree=tree)
+            # prefetch=False: no session drafts ahead during another one's timed step.
+            DecodingSession(
+                model, None if tree == PLAIN_DECODING else drafter, tree=tree, prefetch=False
+            )
             for tree in trees
         ]
         for session in sessions:

@@ -294,7 +294,7 @@ class Server:
             "generation_tps": round(metrics.generation_tps, 2),
             "tree": update.tree.label,
             "batch_size": update.batch_size,
-            "speculative": self.batcher.drafter is not None,
+            "speculative": self.batcher.session.speculates,
         }
 
     @staticmethod
@@ -483,8 +483,8 @@ class Server:
         return JSONResponse(
             {
                 "model": self.model_id,
-                "speculative": self.batcher.drafter is not None,
-                "policy": self.batcher.policy.describe(),
+                "speculative": self.batcher.session.speculates,
+                "policy": self.batcher.session.describe(),
                 "active": self.batcher.active,
                 "pending": self.batcher.pending,
                 "steps": steps.steps,

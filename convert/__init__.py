@@ -1,6 +1,6 @@
 """Model and drafter converters for mlx-redrafter (``mlx-redrafter-convert``).
 
->>> from convert import convert_model
+>>> from mlx_redrafter.convert import convert_model
 >>> convert_model("model.gguf", "out/model")            # doctest: +SKIP
 """
 

@@ -110,7 +110,7 @@ class TreeConfig:
     @property
     def label(self) -> str:
         """'WxL'; 'WxL+G' with G lookup branches of L tokens; 'WxL+GxLl' with G lookup
-        beams of Ll tokens; ':text' when they do not use the n-gram table (what
+        branches of Ll tokens; ':text' when they do not use the n-gram table (what
         `parse` reads)."""
         shape = f"{self.beam_width}x{self.beam_length}"
         if not self.lookup_branches:

@@ -261,15 +261,17 @@ def distill(
     # Worker i owns every n-th record of the wanted list (stable across restarts).
     share = wanted[index::count]
     prompts = [encode_prompt(tokenizer, r.messages, config.chat_template) for r in share]
+    tree = tree if drafter is not None and tree is not None else PLAIN_DECODING
+    session = DecodingSession(model, drafter, tree=tree)
+    unusable = _unusable(session, share, prompts)
     batches = [
-        [i for i in rows if share[i].id not in done]
+        [i for i in rows if share[i].id not in done and i not in unusable]
         for rows in length_batches([len(p) for p in prompts], batch_size, length_window)
     ]
     batches = [rows for rows in batches if rows]
     prefix = f"w{index}-" if count > 1 else ""
     next_index = _next_shard_index(existing, prefix)
-    tree = tree if drafter is not None and tree is not None else PLAIN_DECODING
-    replies = _Replies(DecodingSession(model, drafter, tree=tree), tokenizer, config)
+    replies = _Replies(session, tokenizer, config)
     bar = _progress(len(done) + sum(len(rows) for rows in batches), len(done), progress)
     try:
         for rows in batches:
@@ -281,6 +283,20 @@ def distill(
             yield path
     finally:
         bar.close()
+
+
+def _unusable(
+    session: DecodingSession, records: Sequence[PromptRecord], prompts: Sequence[list[int]]
+) -> set[int]:
+    """The prompts the model cannot take (empty, or as long as its context), reported
+    on stderr and skipped."""
+    unusable = set()
+    for index, prompt in enumerate(prompts):
+        problem = session.check_prompt(prompt)
+        if problem is not None:
+            print(f"note: record {records[index].id} skipped: {problem}", file=sys.stderr)
+            unusable.add(index)
+    return unusable
 
 
 def _done_ids(shards: Sequence[Path]) -> set[str]:

@@ -1,24 +1,24 @@
-"""Draft (context lookup): beams copied from each row's own text.
+"""Draft (context lookup): lookup branches copied from each row's own text.
 
 Shapes: B batch, T context buffer, G lookup branches, L beam length.
 
 Small models repeat themselves and quote their prompt, so the tokens that
 followed an earlier occurrence of the newest n-gram are often what comes next.
-These beams join the drafter's in the tree; the target verifies them like any
+These branches join the drafter's beams in the tree; the target verifies them like any
 other, so the output is unchanged (only how many tokens a step accepts).
 
 Worked example (one row, max n-gram 2, G = 1, L = 3); the root is the last token:
 
     context = [7, 3, 9, 4, 7, 3]          length 6, root 3
     n = 2: the suffix [7, 3] also ends at position 1  -> continuation [9, 4]
-    beam    = [3, 9, 4]
+    branch  = [3, 9, 4]
 
 A continuation that reaches the root repeats with the match's period: in
 [5, 8, 8] (root 8) the match [8] ends at position 1, one before the root, so
-the beam is [8, 8, 8].
+the branch is [8, 8, 8].
 
 A longer match wins over a more recent shorter one; among equally long
-matches the most recent wins, then the next most recent for the next beam.
+matches the most recent wins, then the next most recent for the next branch.
 A row without any match gets `fallback` (the drafter's best beam, or the root
 repeated), which prefix sharing packs away.
 """

@@ -205,8 +205,6 @@ class _Row:
         text = "" if self.text is None else self.text.add(kept, final=ended is not None)
         if self.text is not None and self.text.stopped:
             ended = "stop"
-        if ended is None and self.cancelled:
-            ended = "cancelled"
         return kept, counted, text, ended
 
 
@@ -219,20 +217,47 @@ class SessionStats:
     steps_by_tree: dict[str, int] = field(default_factory=dict)
 
 
+_THREAD = threading.local()
+
+
+def generation_stream() -> Any:
+    """This thread's generation stream, made once per thread (an MLX stream belongs to
+    the thread that made it, and each stream holds a worker of its own)."""
+    stream = getattr(_THREAD, "stream", None)
+    if stream is None:
+        stream = _THREAD.stream = mx.new_stream(mx.default_device())
+    return stream
+
+
+_WIRED = threading.Lock()
+_wired_users = 0
+
+
 @contextlib.contextmanager
 def wired_limit(model: nn.Module) -> Iterator[None]:
-    """On Metal, wire the model's memory while decoding (as mlx-lm does for models that
-    take a large share of the GPU's working set); a no-op on other backends."""
+    """On Metal, wire memory up to the GPU's recommended working set while decoding (as
+    mlx-lm does for large models); a no-op on other backends. Nested and concurrent
+    uses share one setting: the first sets it and the last restores it, after the
+    generation streams have finished their work (a step drafted ahead included)."""
+    global _wired_users
     if not mx.metal.is_available():
         yield
         return
-    limit = int(mx.metal.device_info()["max_recommended_working_set_size"])
-    old = mx.set_wired_limit(limit)
+    with _WIRED:
+        _wired_users += 1
+        if _wired_users == 1:
+            _THREAD.wired_before = mx.set_wired_limit(
+                int(mx.device_info()["max_recommended_working_set_size"])
+            )
     try:
         yield
     finally:
+        mx.synchronize(generation_stream())
         mx.synchronize()
-        mx.set_wired_limit(old)
+        with _WIRED:
+            _wired_users -= 1
+            if _wired_users == 0:
+                mx.set_wired_limit(getattr(_THREAD, "wired_before", 0))
 
 
 class DecodingSession:
@@ -280,7 +305,6 @@ class DecodingSession:
         self._unstarted: list[Update] = []
         self._functions: dict[TreeConfig, StepFunctions] = {}
         self._ids = itertools.count()
-        self._streams: dict[int, Any] = {}
 
     # -- requests -------------------------------------------------------------------
 
@@ -316,6 +340,11 @@ class DecodingSession:
         for request in requests:
             self._check(request)
         ids = [next(self._ids) for _ in requests] if ids is None else list(ids)
+        in_flight = set(self._rows) | {update.request for update in self._unstarted}
+        if len(set(ids)) != len(ids) or in_flight & set(ids):
+            raise ValueError(
+                f"request ids must be new and distinct: {ids} (in flight: {in_flight})"
+            )
         starting = []
         for request_id, request in zip(ids, requests):
             row = self._new_row(request_id, request)
@@ -336,15 +365,17 @@ class DecodingSession:
 
     def _prefill(self, rows: list[_Row]) -> None:
         started = time.perf_counter()
-        keys = [row.request.key for row in rows if row.request.key is not None]
-        with mx.stream(self._stream()):
+        # Greedy rows never draw, so a row without a key gets a zero key.
+        zero = mx.zeros((2,), dtype=mx.uint32)
+        keys = [zero if row.request.key is None else row.request.key for row in rows]
+        with mx.stream(generation_stream()):
             fresh = prefill(
                 self.model,
                 [list(row.request.prompt) for row in rows],
                 self.cache_config,
                 sampling=[row.request.sampling for row in rows],
                 row_ids=[row.id for row in rows],
-                keys=mx.stack(keys) if len(keys) == len(rows) else None,
+                keys=mx.stack(keys),  # (B, 2)
             )
         seconds = time.perf_counter() - started
         for row in rows:
@@ -356,10 +387,40 @@ class DecodingSession:
             self.state.extend(fresh)
 
     def cancel(self, request_id: int) -> None:
-        """End a request before its next step (its last update says "cancelled")."""
+        """End a request: it leaves before the next step, whose updates give its last
+        one (no new tokens, "cancelled")."""
         row = self._rows.get(request_id)
         if row is not None:
             row.cancelled = True
+
+    def _leave(self, request_ids: set[int]) -> None:
+        """Take these requests out of the session (no more updates for them)."""
+        for request_id in request_ids:
+            self._rows.pop(request_id, None)
+        self._unstarted = [u for u in self._unstarted if u.request not in request_ids]
+        if self.state is None:
+            return
+        keep = [i for i, request_id in enumerate(self.state.row_ids) if request_id in self._rows]
+        if not keep:
+            self.state = None
+        elif len(keep) != len(self.state.row_ids):
+            self.state.select_rows(keep)
+
+    def _cancelled(self) -> list[Update]:
+        """The last updates of the cancelled requests, which leave the batch now."""
+        rows = [row for row in self._rows.values() if row.cancelled]
+        if rows:
+            self._leave({row.id for row in rows})
+        return [self._update(row, [], "", 0, "cancelled") for row in rows]
+
+    @property
+    def speculates(self) -> bool:
+        """True when some step may verify more than the root (with this drafter)."""
+        return any(not plan_step(t, self.drafter is not None).plain for t in self.policy.trees)
+
+    def describe(self) -> str:
+        """The trees this session decodes with, for the user."""
+        return self.policy.describe() if self.speculates else "plain decoding"
 
     @property
     def active(self) -> int:
@@ -375,14 +436,6 @@ class DecodingSession:
         return updates
 
     # -- steps ----------------------------------------------------------------------
-
-    def _stream(self) -> Any:
-        """This thread's generation stream (MLX streams belong to the thread that made
-        them), created on first use."""
-        thread = threading.get_ident()
-        if thread not in self._streams:
-            self._streams[thread] = mx.new_stream(mx.default_device())
-        return self._streams[thread]
 
     def step_functions(self, tree: TreeConfig) -> StepFunctions:
         """The step functions of `tree`, built once per session."""
@@ -400,6 +453,7 @@ class DecodingSession:
     def step(self) -> list[Update]:
         """One step of every request in flight; one update per request."""
         updates, self._unstarted = self._unstarted, []
+        updates += self._cancelled()
         state = self.state
         if state is None or not state.row_ids:
             return updates
@@ -409,7 +463,7 @@ class DecodingSession:
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
-        with mx.stream(self._stream()):
+        with mx.stream(generation_stream()):
             output = decode_step(self.model, steps, state, self.clock, self.prefetch)
         seconds = time.perf_counter() - started
         used = PLAIN_DECODING if steps.plan.plain else tree
@@ -466,10 +520,13 @@ class DecodingSession:
         ids: the requests' ids in the updates (default: new ids); a session may run
         one batch after another, so ids 0..B-1 may be used again once a run ends.
         """
-        self.add(requests, ids)
         with wired_limit(self.model):
-            while self.active:
-                yield from self.step()
+            mine = set(self.add(requests, ids))
+            try:
+                while mine & ({*self._rows} | {u.request for u in self._unstarted}):
+                    yield from self.step()
+            finally:  # a consumer that stops early leaves nothing behind
+                self._leave(mine)
 
 
 def check_tree(tree: TreeConfig, drafter: Drafter | None) -> None:

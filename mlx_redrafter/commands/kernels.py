@@ -56,23 +56,23 @@ class Timing:
 
 
 def step_inputs(
-    batch_size: int, beam: TreeConfig, vocab_size: int, seed: int
+    batch_size: int, shape: TreeConfig, vocab_size: int, seed: int
 ) -> dict[str, tuple[Any, ...]]:
     """Random inputs of one step for each fused step: "expand" (scores, logits),
     "pack" (beams, N, share_prefixes), "accept" (beams, unpack, canonical, choices)."""
     rng = np.random.default_rng(seed)
-    width, length = beam.beam_width, beam.beam_length
+    width, length = shape.beam_width, shape.beam_length
     scores = mx.array(-np.sort(rng.exponential(size=(batch_size, width)), axis=-1), mx.float32)
     logits = mx.array(rng.normal(scale=3.0, size=(batch_size, width, vocab_size)), mx.float32)
     # Few distinct tokens, so beams share prefixes; choices follow a random beam.
     beams_np = rng.integers(0, 3, size=(batch_size, width, length)).astype(np.int32)
     beams_np[:, :, 0] = 1
     beams = mx.array(beams_np)
-    tree = pack_tree(beams, beam.num_packed, beam.share_prefixes)
-    choices = mx.array(rng.integers(0, 3, size=(batch_size, beam.num_packed)).astype(np.int32))
+    tree = pack_tree(beams, shape.num_packed, shape.share_prefixes)
+    choices = mx.array(rng.integers(0, 3, size=(batch_size, shape.num_packed)).astype(np.int32))
     return {
         "expand": (scores, logits),
-        "pack": (beams, beam.num_packed, beam.share_prefixes),
+        "pack": (beams, shape.num_packed, shape.share_prefixes),
         "accept": (beams, tree.unpack, tree.canonical, choices),
     }
 
@@ -110,7 +110,7 @@ def _same(a: tuple[mx.array, ...], b: tuple[mx.array, ...]) -> bool:
 
 def benchmark(
     batch_size: int,
-    beam: TreeConfig,
+    shape: TreeConfig,
     vocab_size: int,
     iterations: int,
     warmup: int,
@@ -118,7 +118,7 @@ def benchmark(
     metal: Kernels | None = None,
 ) -> list[Timing]:
     """Median seconds per call of each implementation of each step."""
-    inputs = step_inputs(batch_size, beam, vocab_size, seed)
+    inputs = step_inputs(batch_size, shape, vocab_size, seed)
     implementations: list[tuple[str, Kernels, bool]] = [
         ("mlx", MLX_KERNELS, False),
         ("mlx compiled", MLX_KERNELS, True),
@@ -155,18 +155,18 @@ def benchmark(
 
 
 def run(args: argparse.Namespace) -> int:
-    beam = TreeConfig(args.beam_width, args.beam_length)
+    shape = TreeConfig(args.beam_width, args.beam_length)
     available = mx.metal.is_available()
     print(
-        f"B={args.batch_size} W={beam.beam_width} L={beam.beam_length} Vd={args.vocab} "
-        f"N={beam.num_packed}; device {mx.default_device()}; "
+        f"B={args.batch_size} W={shape.beam_width} L={shape.beam_length} Vd={args.vocab} "
+        f"N={shape.num_packed}; device {mx.default_device()}; "
         f"median of {args.iterations} calls, each evaluated on its own"
     )
     if not available:
         print(NO_METAL)
     timings = benchmark(
         args.batch_size,
-        beam,
+        shape,
         args.vocab,
         args.iterations,
         args.warmup,

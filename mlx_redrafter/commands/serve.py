@@ -86,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
     batcher.warm_up()
     model_id, aliases = model_names(args.model)
     app = create_app(Server(batcher, model_id, aliases, default_max_tokens=args.max_tokens))
-    mode = "plain decoding" if drafter is None else f"ReDrafter, {batcher.policy.describe()}"
-    if drafter is not None and guard is not None:
+    speculates = batcher.session.speculates
+    mode = f"ReDrafter, {batcher.session.describe()}" if speculates else "plain decoding"
+    if speculates and guard is not None:
         mode += "; plain where the tree measurably does not pay"
     print(
         f"serving {model_id} ({mode}) on http://{args.host}:{args.port}/  "

@@ -149,7 +149,7 @@ def _add_report(report: Any) -> None:
     report.add_argument(
         "--tau-trees",
         default=DEFAULT_TREE.label,
-        help="beam shapes as in `bench --tree` (WxL, WxL+GxLl, ...), comma-separated "
+        help="trees as in `bench --tree` (WxL, WxL+GxLl, ...), comma-separated "
         f"(1x1: plain; default {DEFAULT_TREE.label}, the default of generation)",
     )
     report.add_argument(
