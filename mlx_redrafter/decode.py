@@ -138,8 +138,8 @@ def prefill(
 
     Rows of different lengths are right-padded per chunk; padding is never committed.
     sampling: the rules of all rows, or of each row; row_ids: the requests the rows
-    serve (default 0..B-1); keys: one PRNG key (2,), split into a key per row, or the
-    rows' own keys (B, 2) (required when a row samples).
+    serve (default 0..B-1); keys: the rows' own PRNG keys (B, 2)
+    (required when a row samples).
     """
     batch_size = len(prompts)
     cache = TargetCache(model, batch_size, cache_config)
@@ -187,16 +187,14 @@ def _widen(history: mx.array, capacity: int) -> mx.array:
 
 
 def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array:
-    """(B, 2) per-row PRNG keys from one key (split per row) or from per-row keys."""
+    """(B, 2) per-row PRNG keys: the rows' own keys, or zeros when every row is greedy."""
     batch_size = len(rules)
     if keys is None:
         if not all(rule.greedy for rule in rules):
             raise ValueError("sampling needs an MLX PRNG key (mx.random.key(seed))")
         return mx.zeros((batch_size, 2), dtype=mx.uint32)
-    if keys.ndim == 1:
-        return mx.random.split(keys, batch_size)  # (B, 2)
     if keys.shape != (batch_size, 2):
-        raise ValueError(f"keys must have shape (2,) or ({batch_size}, 2), got {keys.shape}")
+        raise ValueError(f"keys must have shape ({batch_size}, 2), got {keys.shape}")
     return keys
 
 

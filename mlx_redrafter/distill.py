@@ -37,11 +37,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .config import PLAIN_DECODING, SamplingConfig, StopConfig, TreeConfig
+from .config import PLAIN_DECODING, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .files import fsync_path, match_umask
 from .prompts import PromptRecord, encode_prompt
-from .session import DecodingSession, Request
+from .session import DecodingSession, Request, stop_config
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.npz"
@@ -323,9 +323,8 @@ class _Replies:
     def __init__(self, session: DecodingSession, tokenizer: Any, config: DistillConfig):
         self.session, self.config = session, config
         self.sampling = SamplingConfig(config.temperature, config.top_p, config.top_k)
-        eos = frozenset(int(t) for t in (getattr(tokenizer, "eos_token_ids", None) or ()))
-        self.stop = StopConfig(max_tokens=config.max_tokens, eos_token_ids=eos)
-        eos_id = getattr(tokenizer, "eos_token_id", None)
+        self.stop = stop_config(tokenizer, config.max_tokens, None)
+        eos, eos_id = self.stop.eos_token_ids, getattr(tokenizer, "eos_token_id", None)
         self.eos_id = min(eos) if eos_id is None and eos else eos_id
 
     def _keys(self, batch: list[PromptRecord]) -> list[mx.array | None]:

@@ -340,10 +340,9 @@ class DecodingSession:
         for request in requests:
             self._check(request)
         ids = [next(self._ids) for _ in requests] if ids is None else list(ids)
-        in_flight = set(self._rows) | {update.request for update in self._unstarted}
-        if len(set(ids)) != len(ids) or in_flight & set(ids):
+        if len(set(ids)) != len(ids) or self._in_flight() & set(ids):
             raise ValueError(
-                f"request ids must be new and distinct: {ids} (in flight: {in_flight})"
+                f"request ids must be new and distinct: {ids} (in flight: {self._in_flight()})"
             )
         starting = []
         for request_id, request in zip(ids, requests):
@@ -421,6 +420,10 @@ class DecodingSession:
     def describe(self) -> str:
         """The trees this session decodes with, for the user."""
         return self.policy.describe() if self.speculates else "plain decoding"
+
+    def _in_flight(self) -> set[int]:
+        """The ids of the requests that still have updates to give."""
+        return set(self._rows) | {update.request for update in self._unstarted}
 
     @property
     def active(self) -> int:
@@ -523,7 +526,7 @@ class DecodingSession:
         with wired_limit(self.model):
             mine = set(self.add(requests, ids))
             try:
-                while mine & ({*self._rows} | {u.request for u in self._unstarted}):
+                while mine & self._in_flight():
                     yield from self.step()
             finally:  # a consumer that stops early leaves nothing behind
                 self._leave(mine)
