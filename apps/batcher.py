@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlx_redrafter.config import CacheConfig, SamplingConfig
+from mlx_redrafter.config import DEFAULT_TREE, CacheConfig, SamplingConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.policy import SpeedGuard, TreePolicy
 from mlx_redrafter.session import DecodingSession, Request, Update, stop_config, wired_limit
@@ -61,10 +61,11 @@ class BatcherStats:
 class Batcher:
     """The decode worker. `submit` jobs from any thread; updates arrive via callbacks.
 
-    model: an mlx-lm model; drafter: None decodes plainly; policy: the tree per batch
-    size (default: the default tree at every size); max_batch: rows decoded together
+    model: an mlx-lm model; drafter: None decodes plainly or with lookup branches;
+    policy: a tree per batch size, or "auto" (the default: the auto tree, which
+    chooses per step and batch size); max_batch: rows decoded together
     (more requests wait their turn); guard: a `SpeedGuard` that decodes plainly where
-    the tree measurably does not pay (None: always the policy's tree);
+    a fixed policy's tree measurably does not pay (None: always the policy's tree);
     seed: the sampling stream of the worker (None: random). A request's `seed` gives
     it its own key, so a seeded sampled request is reproducible whatever shares its
     batch; unseeded ones take the next key of the worker's stream.
@@ -75,7 +76,7 @@ class Batcher:
         model: nn.Module,
         drafter: Drafter | None,
         tokenizer: Any,
-        policy: TreePolicy | None = None,
+        policy: TreePolicy | str | None = None,
         cache_config: CacheConfig | None = None,
         max_batch: int = 16,
         seed: int | None = None,
@@ -85,7 +86,7 @@ class Batcher:
             model,
             drafter,
             tokenizer,
-            tree=policy if policy is not None else TreePolicy.fixed(),
+            tree=policy if policy is not None else DEFAULT_TREE,
             cache=cache_config,
             guard=guard,
         )

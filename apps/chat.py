@@ -22,10 +22,12 @@ from typing import Any, TextIO
 
 import mlx.nn as nn
 
+from mlx_redrafter.auto import AutoTree
 from mlx_redrafter.config import DEFAULT_TREE, TreeConfig
 from mlx_redrafter.decode import plan_step
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.generate import GenerationResponse, stream_generate
+from mlx_redrafter.policy import TreeChoice
 from mlx_redrafter.prompts import chat_tokens
 
 DRAFTED = "\033[32m"  # green: drafted by the drafter and accepted by the target
@@ -63,7 +65,7 @@ class ChatSession:
     model: nn.Module
     drafter: Drafter | None
     tokenizer: Any
-    tree: TreeConfig = DEFAULT_TREE
+    tree: TreeConfig | TreeChoice | str = DEFAULT_TREE
     max_tokens: int = 512
     temperature: float = 0.0
     top_p: float = 1.0
@@ -76,6 +78,18 @@ class ChatSession:
     messages: list[dict[str, str]] = field(default_factory=list)
     last: ReplyStats | None = None
     plain_step_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tree, str) and self.tree.strip().lower() == "auto":
+            # One auto tree for the whole conversation: what it learns carries over.
+            self.tree = AutoTree.for_model(self.model, self.drafter)
+
+    def describe_tree(self) -> str:
+        if isinstance(self.tree, TreeConfig):
+            return self.tree.label
+        if isinstance(self.tree, str):
+            return self.tree
+        return self.tree.describe()
 
     def reset(self) -> None:
         self.messages = []
@@ -135,7 +149,12 @@ class ChatSession:
         """Seconds per plain decoding step on the current conversation (measured once)."""
         if self.plain_step_seconds is None:
             responses = stream_generate(
-                self.model, None, self.tokenizer, self.prompt(), max_tokens=BASELINE_TOKENS
+                self.model,
+                None,
+                self.tokenizer,
+                self.prompt(),
+                max_tokens=BASELINE_TOKENS,
+                tree="plain",
             )
             last = list(responses)[-1]
             self.plain_step_seconds = 1.0 / max(last.generation_tps, 1e-9)
@@ -152,7 +171,8 @@ class ChatSession:
             f"speed: {last.generation_tps:.1f} tokens/s "
             f"(prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tokens/s)",
         ]
-        if plan_step(self.tree, self.drafter is not None).plain:
+        fixed = self.tree if isinstance(self.tree, TreeConfig) else None
+        if fixed is not None and plan_step(fixed, self.drafter is not None).plain:
             lines.append("speed-up: 1.00x (plain decoding: no drafter loaded)")
         elif last.steps:
             plain = self.measure_plain_step()
@@ -161,7 +181,7 @@ class ChatSession:
             lines.append(
                 f"speed-up: {speedup:.2f}x = tau {last.tokens_per_step:.2f} x plain step "
                 f"{plain * 1e3:.1f} ms / speculative step {speculative * 1e3:.1f} ms "
-                f"({self.tree.label}; plain step measured "
+                f"({self.describe_tree()}; plain step measured "
                 f"once on this conversation, {BASELINE_TOKENS} tokens)"
             )
         return "\n".join(lines)

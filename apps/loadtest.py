@@ -229,21 +229,21 @@ def http_load(args: argparse.Namespace) -> int:
     from .server import BackgroundServer, Server, create_app
 
     model, drafter, tokenizer = load_models(args)
-    if drafter is None and args.tree != "plain":
+    if drafter is None and args.tree not in ("plain", "auto"):
         print("note: no drafter: both runs decode plainly", file=sys.stderr)
     deadline = time.monotonic() + args.time_limit
     counts = [int(c) for c in args.clients.split(",")]
-    on = TreePolicy.parse(args.tree)
-    modes = [
-        ("off", TreePolicy(()), None),
-        ("on, fixed", on, None),
-        ("on, guarded", on, SpeedGuard()),
-    ]
+    modes: list[tuple[str, TreePolicy | str, SpeedGuard | None]] = [("off", TreePolicy(()), None)]
+    if args.tree.strip().lower() == "auto":
+        modes.append(("on, auto", "auto", None))
+    else:
+        on = TreePolicy.parse(args.tree)
+        modes += [("on, fixed", on, None), ("on, guarded", on, SpeedGuard())]
     print("| speculation | clients | requests | tokens/s (all clients) | latency mean / p90 (s) "
           "| first token mean (s) | mean tau |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, policy, guard in modes:
-        speculative = drafter if policy.tiers else None
+        speculative = drafter if isinstance(policy, str) or policy.tiers else None
         batcher = Batcher(model, speculative, tokenizer, policy, seed=0, guard=guard)
         batcher.warm_up()
         server = BackgroundServer(create_app(Server(batcher, "model")))
@@ -296,9 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--clients", default="1,4,8")
     load.add_argument("--requests", type=int, default=2, help="requests per client")
     load.add_argument("--max-tokens", type=int, default=48)
-    load.add_argument(
-        "--tree", default=DEFAULT_TREE.label, help="tree or policy when speculation is on"
-    )
+    load.add_argument("--tree", default=DEFAULT_TREE, help="tree or policy when speculation is on")
     load.add_argument("--time-limit", type=float, default=1800, help="seconds for everything")
     load.set_defaults(run=http_load)
     args = parser.parse_args(argv)

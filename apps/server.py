@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP server over the continuous-batching decode worker.
 
 Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (streaming as
-server-sent events, or not), `GET /v1/models`, `GET /v1/redrafter/status`, and the chat
-page at `/`. Every request becomes a `Job` of the one `Batcher`; the worker thread hands
-each step's update to the request's asyncio queue.
+server-sent events, or not), `GET /v1/models`, `GET /v1/redrafter/status`, `GET /metrics`
+(Prometheus, `apps/prometheus.py`) and the chat page at `/`. Every request becomes a
+`Job` of the one `Batcher`; the worker thread counts each step's update in the
+metrics and hands it to the request's asyncio queue.
 
 Beyond OpenAI's fields, each response carries `redrafter`: tau (tokens per target
 step), drafted tokens accepted, target steps, decoding speed and the tree of the
@@ -16,6 +17,7 @@ import asyncio
 import json
 import math
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from mlx_redrafter.prompts import chat_tokens, text_tokens
 from mlx_redrafter.session import Update
 
 from .batcher import Batcher, Job
+from .prometheus import CONTENT_TYPE, ServerMetrics
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_TOKENS = 512
@@ -255,6 +258,7 @@ class Server:
         self.aliases = {model_id, *aliases}
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
+        self.metrics = ServerMetrics(model_id, queue=lambda: (batcher.active, batcher.pending))
 
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -315,8 +319,13 @@ class Server:
             raise APIError(problem, param=param, code=code)
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
+        track = self.metrics.track()
 
         def deliver(update: Update) -> None:
+            try:  # counted before the reply can see it; a failure here must not lose it
+                self.metrics.on_update(update, track)
+            except Exception:
+                traceback.print_exc()
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
         job = Job(
@@ -498,6 +507,10 @@ class Server:
             }
         )
 
+    async def prometheus(self, request: Request) -> Response:
+        """The metrics in Prometheus' text exposition format 0.0.4."""
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
@@ -534,7 +547,7 @@ async def _http_error(request: Request, error: Exception) -> Response:
     status = error.status_code
     message = {
         404: f"no route {request.method} {request.url.path}: see /v1/chat/completions, "
-        "/v1/completions, /v1/models",
+        "/v1/completions, /v1/models, /v1/redrafter/status, /metrics",
         405: f"{request.method} is not allowed on {request.url.path}",
     }.get(status, str(error.detail))
     return APIError(message, status=status, code="not_found" if status == 404 else None).response()
@@ -547,6 +560,7 @@ def create_app(server: Server) -> Starlette:
         Route("/v1/completions", _guarded(server.completions), methods=["POST"]),
         Route("/v1/models", _guarded(server.models), methods=["GET"]),
         Route("/v1/redrafter/status", _guarded(server.status), methods=["GET"]),
+        Route("/metrics", _guarded(server.prometheus), methods=["GET"]),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

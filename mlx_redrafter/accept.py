@@ -32,6 +32,8 @@ class Acceptance(NamedTuple):
     last_node:    (B,) packed index of the last accepted node (its hidden state
                   drafts the next step).
     bonus_tokens: (B,) the target's choice after the last accepted node.
+    runs:         (B, W) drafted tokens each beam had accepted (the auto tree learns
+                  each candidate's acceptance from them).
     """
 
     num_accepted: mx.array
@@ -39,6 +41,7 @@ class Acceptance(NamedTuple):
     path: mx.array
     last_node: mx.array
     bonus_tokens: mx.array
+    runs: mx.array
 
 
 def accept(beams: mx.array, unpack: mx.array, canonical: mx.array, choices: mx.array) -> Acceptance:
@@ -75,4 +78,5 @@ def accept(beams: mx.array, unpack: mx.array, canonical: mx.array, choices: mx.a
     accepted_count = num_accepted[:, None]
     tokens = mx.where(step < accepted_count, drafted, 0)
     tokens = mx.where(step == accepted_count, bonus_tokens[:, None], tokens)  # (B, L)
-    return Acceptance(num_accepted, tokens.astype(mx.int32), path, last_node, bonus_tokens)
+    runs = run.astype(mx.int32)
+    return Acceptance(num_accepted, tokens.astype(mx.int32), path, last_node, bonus_tokens, runs)

@@ -36,7 +36,15 @@ from mlx_lm import batch_generate as mlx_lm_batch_generate
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from .config import DEFAULT_TREE, PLAIN_DECODING, SamplingConfig, StopConfig, TreeConfig
+from .calibrate import cached_calibration
+from .config import (
+    DEFAULT_TREE,
+    PLAIN_DECODING,
+    SamplingConfig,
+    StopConfig,
+    TreeConfig,
+    tree_label,
+)
 from .decode import PhaseClock
 from .drafter import Drafter
 from .generate import stream_batch, stream_generate
@@ -57,7 +65,7 @@ class BenchConfig:
     """
 
     max_tokens: int = 256
-    trees: tuple[TreeConfig, ...] = (DEFAULT_TREE,)
+    trees: tuple[TreeConfig | str, ...] = (DEFAULT_TREE,)
     sampling: SamplingConfig = SamplingConfig()
     unpacked: bool = True
     seed: int = 0
@@ -69,7 +77,7 @@ class BenchConfig:
 @dataclass(frozen=True)
 class Method:
     name: str
-    tree: TreeConfig | None  # None: mlx-lm's own stream_generate
+    tree: TreeConfig | str | None  # None: mlx-lm's own stream_generate; "auto"
     uses_drafter: bool = False
 
 
@@ -79,6 +87,9 @@ BASELINE = Method("mlx-lm", None)
 def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     methods = [BASELINE, Method("plain", PLAIN_DECODING)]
     for tree in config.trees:
+        if isinstance(tree, str):
+            methods.append(Method(f"redrafter {tree}", tree, True))
+            continue
         if not has_drafter and tree.beam_width > 0:
             continue  # lookup branches alone (0xL+G) need no drafter
         name = f"redrafter {tree.label}"
@@ -104,6 +115,7 @@ class Run:
     decode_tokens: int
     accepted: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
+    trees_used: dict[str, int] = field(default_factory=dict)  # steps by tree
     peak_memory_gb: float = 0.0
     matches_baseline: bool | None = None
 
@@ -132,6 +144,7 @@ def run_method(
     chunks: list[list[int]] = []
     accepted: list[int] = []
     trees: list[int] = []
+    used: dict[str, int] = {}
     produced = 0.0
     started = time.perf_counter()
     sampling = config.sampling
@@ -165,6 +178,7 @@ def run_method(
             chunks.append(response.tokens)
             accepted.append(response.num_accepted)
             trees.append(response.tree_size)
+            used[response.tree] = used.get(response.tree, 0) + 1
             last = response
         steps = len(stamps)
         produced = last.tokens_per_step * last.steps if last else 0.0
@@ -181,6 +195,7 @@ def run_method(
         decode_tokens=len(tokens) - (len(chunks[0]) if chunks else 0),
         accepted=accepted,
         tree_sizes=trees,
+        trees_used=used,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
     )
 
@@ -236,11 +251,9 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
     accepted = [a for r in runs for a in r.accepted]
     summary: dict[str, Any] = {
         "method": method.name,
-        "beam_width": method.tree.beam_width if method.tree else 1,
-        "beam_length": method.tree.beam_length if method.tree else 1,
-        "lookup_branches": method.tree.lookup_branches if method.tree else 0,
-        "lookup_length": method.tree.lookup_branch_length if method.tree else 1,
-        "share_prefixes": method.tree.share_prefixes if method.tree else True,
+        "tree": tree_label(method.tree) if method.tree is not None else "mlx-lm",
+        "trees_used": trees_used(runs),
+        **tree_shape(method.tree),
         "prompts": len(runs),
         "generated_tokens": sum(len(r.tokens) for r in runs),
         "decode_tps": mean_tps,
@@ -261,13 +274,60 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
         ),
     }
     if method.tree is not None and accepted:
-        counts = accepted_counts(accepted, method.tree.depth)
-        summary["acceptance_by_position"] = acceptance_by_depth(counts)
+        depth = method.tree.depth if isinstance(method.tree, TreeConfig) else max(accepted) + 1
+        counts = accepted_counts(accepted, depth)
+        summary["acceptance_by_depth"] = acceptance_by_depth(counts)
+        summary["accepted_histogram"] = counts
+    if isinstance(method.tree, TreeConfig) and accepted:
         trees = [t for r in runs for t in r.tree_sizes]
         unpacked_size = replace(method.tree, share_prefixes=False, tree_budget=None).num_packed
         summary["tree_compression"] = statistics.fmean(trees) / unpacked_size
-        summary["accepted_histogram"] = counts
     return summary
+
+
+def tree_shape(tree: TreeConfig | str | None) -> dict[str, Any]:
+    """A fixed tree's W, L, G, Ll and prefix sharing (None for the auto tree)."""
+    if isinstance(tree, str):
+        return dict.fromkeys(
+            ("beam_width", "beam_length", "lookup_branches", "lookup_length", "share_prefixes")
+        )
+    fixed = tree or PLAIN_DECODING
+    return {
+        "beam_width": fixed.beam_width,
+        "beam_length": fixed.beam_length,
+        "lookup_branches": fixed.lookup_branches,
+        "lookup_length": fixed.lookup_branch_length,
+        "share_prefixes": fixed.share_prefixes,
+    }
+
+
+def trees_used(runs: Sequence[Run]) -> dict[str, int]:
+    """Steps by tree over the runs, most used first."""
+    counts: dict[str, int] = {}
+    for run in runs:
+        for label, steps in run.trees_used.items():
+            counts[label] = counts.get(label, 0) + steps
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def by_category(
+    runs: Sequence[Run], baseline: Sequence[Run], categories: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Per category (first-seen order; categories[i] names prompt i): tau, the speed-up
+    (mean tokens/s over mean mlx-lm tokens/s on the same prompts) and the most used tree."""
+    taus = tau_by_category(runs, categories)
+    result: dict[str, dict[str, Any]] = {}
+    for category in taus:
+        mine = [r for r in runs if categories[r.prompt] == category]
+        theirs = [b for b in baseline if categories[b.prompt] == category]
+        base = statistics.fmean(b.decode_tps for b in theirs)
+        used = trees_used(mine)
+        result[category] = {
+            "tau": taus[category],
+            "speedup": statistics.fmean(r.decode_tps for r in mine) / base if base > 0 else 0.0,
+            "tree": next(iter(used), "-"),
+        }
+    return result
 
 
 def measure_matmul_gflops() -> float:
@@ -351,6 +411,7 @@ def batch_sweep(
         for name, use_drafter in (("plain", False), ("redrafter", True)):
             if use_drafter and drafter is None:
                 continue
+            method_tree = tree if use_drafter else PLAIN_DECODING
             started = time.perf_counter()
             count = 0
             for _, piece in stream_batch(
@@ -359,7 +420,7 @@ def batch_sweep(
                 tokenizer,
                 batch,
                 max_tokens=config.max_tokens,
-                tree=tree,
+                tree=method_tree,
             ):
                 count += len(piece.tokens)
             row[f"{name}_tps"] = count / (time.perf_counter() - started)
@@ -413,14 +474,19 @@ def run_benchmark(
         if profiles.get(method.name):
             summary["time_split"] = profiles[method.name]
         if categories is not None and any(categories):
-            summary["tau_by_category"] = tau_by_category(runs[method.name], categories)
+            baseline = runs[BASELINE.name]
+            summary["by_category"] = by_category(runs[method.name], baseline, categories)
         summaries.append(summary)
     sweep = batch_sweep(model, drafter, tokenizer, prompts, config) if config.batch_sizes else []
+    calibration = None
+    if any(isinstance(tree, str) for tree in config.trees):
+        calibration = cached_calibration(model, drafter)[0].to_dict()
     return {
         "environment": env,
+        "calibration": calibration,
         "config": {
             "max_tokens": config.max_tokens,
-            "trees": [asdict(b) for b in config.trees],
+            "trees": [tree_label(tree) for tree in config.trees],
             "sampling": asdict(config.sampling),
             "seed": config.seed,
             "prompts": len(prompts),
@@ -454,14 +520,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{compression_text:>6} "
             f"{split_text:>19} {s['peak_memory_gb']:>7.2f} {match:>6}"
         )
-    by_category = [s for s in result["summary"] if s.get("tau_by_category") and s["tau"] > 1]
-    if by_category:
-        names = list(by_category[0]["tau_by_category"])
-        lines.append("")
-        lines.append(f"{'tau by category':<26} " + " ".join(f"{n[:10]:>10}" for n in names))
-        for s in by_category:
-            taus = s["tau_by_category"]
-            lines.append(f"{s['method']:<26} " + " ".join(f"{taus[n]:>10.2f}" for n in names))
+    lines += category_lines(result["summary"])
     if result["batch_sweep"]:
         lines.append("")
         lines.append(f"{'batch':>5} {'mlx-lm tok/s':>13} {'plain tok/s':>12} {'redrafter':>10}")
@@ -471,6 +530,27 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{row.get('plain_tps', 0):>12.1f} {row.get('redrafter_tps', 0):>10.1f}"
             )
     return "\n".join(lines)
+
+
+def category_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """Per category: each method's speed-up and tau, and the tree it used most."""
+    rows = [s for s in summaries if s.get("by_category") and s["method"] != BASELINE.name]
+    if not rows:
+        return []
+    names = list(rows[0]["by_category"])
+    lines = ["", f"{'speed-up / tau by category':<26} " + " ".join(f"{n[:12]:>12}" for n in names)]
+    for s in rows:
+        cells = s["by_category"]
+        lines.append(
+            f"{s['method']:<26} "
+            + " ".join(f"{cells[n]['speedup']:>5.2f}x/{cells[n]['tau']:<5.2f}" for n in names)
+        )
+        if len(s["trees_used"]) > 1:
+            lines.append(
+                f"{'  most used tree':<26} "
+                + " ".join(f"{cells[n]['tree'][:12]:>12}" for n in names)
+            )
+    return lines
 
 
 def write_result(result: dict[str, Any], out_dir: Path) -> Path:

@@ -26,8 +26,8 @@ def _speculative(summary: list[dict[str, Any]], with_lookup: bool) -> list[dict[
         s
         for s in summary
         if s.get("accepted_histogram")
-        and s["share_prefixes"]
-        and s["beam_length"] > 1
+        and s.get("share_prefixes")
+        and (s.get("beam_length") or 0) > 1
         and (with_lookup or not s.get("lookup_branches"))
     ]
 
@@ -104,4 +104,53 @@ def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
         paths.append(speedup_heatmap(result, out_dir / "speedup_heatmap.png"))
     if _speculative(result["summary"], with_lookup=True):
         paths.append(accepted_histogram(result, out_dir / "accepted_histogram.png"))
+    if any(s.get("by_category") for s in result["summary"]):
+        paths.append(category_speedups(result, out_dir / "speedup_by_category.png"))
+    if result.get("calibration"):
+        paths.append(cost_curve(result["calibration"], out_dir / "cost_curve.png"))
     return paths
+
+
+def cost_curve(calibration: dict[str, Any], path: Path) -> Path:
+    """The calibrated step cost against N packed tokens, as a multiple of one token's,
+    one line per context band (`calibrate.Calibration.to_dict()`)."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(5.5, 3.6))
+    sizes = calibration["sizes"]
+    for context, row in zip(calibration["contexts"], calibration["verify"]):
+        axes.plot(sizes, [s / row[0] for s in row], marker="o", label=f"context {context}")
+    axes.plot(sizes, sizes, color="#bbbbbb", linestyle="--", label="cost = N x one token")
+    axes.set_xlabel("packed tokens N verified in one step")
+    axes.set_ylabel("step cost / one-token step")
+    key = calibration["key"]
+    axes.set_title(
+        f"{key['device'][:40]}, {key['dtype'].split('.')[-1]}, q={key['quantization']}", fontsize=9
+    )
+    axes.set_ylim(bottom=0)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def category_speedups(result: dict[str, Any], path: Path) -> Path:
+    """Speed-up over mlx-lm per benchmark category, one bar group per category."""
+    plt = _pyplot()
+    rows = [s for s in result["summary"] if s.get("by_category") and s["method"] != "mlx-lm"]
+    names = list(rows[0]["by_category"])
+    figure, axes = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 3.8))
+    width = 0.8 / len(rows)
+    for i, s in enumerate(rows):
+        values = [s["by_category"][n]["speedup"] for n in names]
+        axes.bar([j + i * width for j in range(len(names))], values, width, label=s["method"])
+    axes.axhline(1.0, color="#555555", linewidth=0.8)
+    axes.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(names))], names, rotation=30, ha="right"
+    )
+    axes.set_ylabel("speed-up over mlx-lm")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -159,20 +159,24 @@ class TreeConfig:
 PLAIN_DECODING = TreeConfig(beam_width=1, beam_length=1)
 
 # The default tree of the API, the CLI, the chat app, the server and the benchmark:
-# one drafter beam of 2 tokens (the root and one drafted token) and one lookup branch
-# of 7 (N = 8 packed tokens), `1x2+1x7`: the fastest tree measured on the development
-# machine with the shipped SmolLM2 drafter (docs/performance.md).
-DEFAULT_TREE = TreeConfig(beam_width=1, beam_length=2, lookup_branches=1, lookup_length=7)
+# "auto", each step's tree chosen for this model, drafter and machine from the
+# calibrated step cost and the running acceptance (`auto.py`).
+DEFAULT_TREE = "auto"
 
 
-def as_tree(tree: TreeConfig | str | None) -> TreeConfig:
-    """A tree from a TreeConfig, its notation ('1x2+1x7', 'plain') or None (the default)."""
-    if tree is None:
-        return DEFAULT_TREE
+def tree_label(tree: TreeConfig | str) -> str:
+    """The notation of a tree ('auto' stays 'auto')."""
+    return tree if isinstance(tree, str) else tree.label
+
+
+def as_tree(tree: TreeConfig | str) -> TreeConfig:
+    """A fixed tree from a TreeConfig or its notation ('1x2+1x7', 'plain')."""
     if isinstance(tree, str):
         return TreeConfig.parse(tree)
     if not isinstance(tree, TreeConfig):
-        raise ValueError(f"tree must be a TreeConfig or a string like '1x2+1x7', got {tree!r}")
+        raise ValueError(
+            f"tree must be 'auto', a TreeConfig or a string like '1x2+1x7', got {tree!r}"
+        )
     return tree
 
 

@@ -232,7 +232,7 @@ def distill(
     limit: int | None = None,
     worker: tuple[int, int] = (0, 1),
     drafter: Drafter | None = None,
-    tree: TreeConfig | None = None,
+    tree: TreeConfig | str | None = None,
     progress: bool = True,
 ) -> Generator[Path, None, None]:
     """Decode the records not yet in `output`, one shard per batch; yields each shard's path.

@@ -25,11 +25,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .files import match_umask
+from .metrics import AcceptanceTable
 from .ngrams import NGRAMS_FILE, NgramTable, NgramTableError, load_ngram_table, save_ngram_table
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+ACCEPTANCE_FILE = "acceptance.json"  # measured acceptance per depth (`metrics.AcceptanceTable`)
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
@@ -145,6 +147,7 @@ class Drafter(nn.Module):
         self.config = config
         self.quantization: Quantization | None = None
         self.ngrams = ngrams
+        self.acceptance: AcceptanceTable | None = None
         d, e = config.hidden_size, config.exit_dim
         if config.rnn:
             self.rnn_u = nn.Linear(d, d, bias=True)
@@ -288,6 +291,9 @@ class Drafter(nn.Module):
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             if self.ngrams is not None:
                 save_ngram_table(self.ngrams, staging)
+            if self.acceptance is not None:
+                text = json.dumps(self.acceptance.to_dict(), indent=1) + "\n"
+                (staging / ACCEPTANCE_FILE).write_text(text)
             if target.exists():
                 backup = target.with_name(f".{target.name}.old")
                 shutil.rmtree(backup, ignore_errors=True)
@@ -335,6 +341,7 @@ class Drafter(nn.Module):
             except NgramTableError as error:
                 raise DrafterError(str(error)) from None
         drafter = cls(config, cast(list[int], ids.tolist()) if ids is not None else None, ngrams)
+        drafter.acceptance = read_acceptance(folder)
         quantization = raw_config.get("quantization")
         if quantization:
             drafter.quantize(group_size=quantization["group_size"], bits=quantization["bits"])
@@ -390,3 +397,17 @@ def target_dimensions(model: nn.Module) -> tuple[int, int]:
         vocab_size = embed.weight.shape[0]
         hidden_size = embed(mx.array([0])).shape[-1]
     return int(hidden_size), int(vocab_size)
+
+
+def read_acceptance(folder: Path) -> AcceptanceTable | None:
+    """The drafter's measured acceptance table (`acceptance.json`), if it has one."""
+    path = folder / ACCEPTANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        return AcceptanceTable.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValueError, AttributeError) as error:
+        raise DrafterError(
+            f"{path} is not a valid acceptance table ({error}): delete it or measure it "
+            "again with `mlx-redrafter measure-acceptance`"
+        ) from None

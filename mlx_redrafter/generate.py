@@ -13,6 +13,7 @@ import mlx.nn as nn
 from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .metrics import RequestMetrics
+from .policy import TreeChoice
 from .prompts import text_tokens
 from .session import DecodingSession, Request, Update, request_keys, stop_config
 
@@ -40,6 +41,7 @@ class GenerationResponse:
     peak_memory: peak memory in GB so far.
     finish_reason: None while running; "stop" (EOS or a stop string) or "length".
     tree_size: distinct prefixes the target verified in this step (1 when plain).
+    tree: the notation of this step's tree (e.g. "1x2+1x7"; "1x1" when plain).
     acceptance_by_depth: the fraction of steps so far that accepted at least k
         drafted tokens, for k = 1, 2, ...
     """
@@ -57,6 +59,7 @@ class GenerationResponse:
     finish_reason: str | None = None
     tree_size: int = 1
     acceptance_by_depth: tuple[float, ...] = ()
+    tree: str = "1x1"
 
     @classmethod
     def of(cls, update: Update) -> GenerationResponse:
@@ -76,6 +79,7 @@ class GenerationResponse:
             finish_reason=update.finish_reason,
             tree_size=update.tree_size,
             acceptance_by_depth=tuple(metrics.acceptance_by_depth),
+            tree=update.tree.label,
         )
 
 
@@ -105,12 +109,14 @@ def stream_batch(
     top_k: int = 0,
     seed: int | None = None,
     stop: Sequence[str] | str | None = None,
-    tree: TreeConfig | str | None = None,
+    tree: TreeConfig | TreeChoice | str | None = None,
     cache: CacheConfig | None = None,
 ) -> Iterator[tuple[int, GenerationResponse]]:
     """Decode several prompts together; yields (prompt index, response) per row and step.
 
-    tree: a `TreeConfig` or its notation, e.g. "1x2+1x7" (None: `DEFAULT_TREE`);
+    tree: "auto" (None: `DEFAULT_TREE`, the tree chosen per step for this model and
+    machine), a `TreeConfig` or its notation, e.g. "1x2+1x7", or a `TreeChoice`
+    (an `auto.AutoTree` kept across calls keeps what it learned);
     cache: the target's K/V storage (`CacheConfig(kv_bits=8)` quantizes it).
     """
     encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
@@ -132,7 +138,7 @@ class GenerationOptions(TypedDict, total=False):
     top_k: int
     seed: int | None
     stop: Sequence[str] | str | None
-    tree: TreeConfig | str | None
+    tree: TreeConfig | TreeChoice | str | None
     cache: CacheConfig | None
 
 

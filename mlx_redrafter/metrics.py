@@ -93,3 +93,94 @@ class RequestMetrics:
     def step_seconds(self) -> float:
         """Mean wall-clock of one decoding step."""
         return self.decode_seconds / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class AcceptanceTable:
+    """Expected acceptance per depth of a step's candidates, measured by decoding.
+
+    beams[k][d - 1]: the fraction of steps where the best of the drafter's first
+        k + 1 beams had its first d drafted tokens accepted (beams are ranked best first).
+    lookup[k][d - 1]: the same for the first k + 1 lookup branches.
+    joint[k][g][d - 1]: the same for the best of the first k drafter beams and the
+        first g lookup branches together (k, g >= 0; [0][0] is empty), measured in the
+        same steps: the two kinds often propose the same tokens, so their union
+        accepts less than if they were independent.
+    temperature: the sampling temperature it was measured at (0: greedy); steps: the
+    steps it was measured on; source: the prompts and tree it was measured with.
+    """
+
+    beams: tuple[tuple[float, ...], ...] = ()
+    lookup: tuple[tuple[float, ...], ...] = ()
+    joint: tuple[tuple[tuple[float, ...], ...], ...] = ()
+    temperature: float = 0.0
+    steps: int = 0
+    source: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "beams": [list(row) for row in self.beams],
+            "lookup": [list(row) for row in self.lookup],
+            "joint": [[list(row) for row in rows] for rows in self.joint],
+            "temperature": self.temperature,
+            "steps": self.steps,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> AcceptanceTable:
+        def rows(name: str) -> tuple[tuple[float, ...], ...]:
+            return rows_of(data.get(name, []), name)
+
+        def rows_of(value: object, name: str) -> tuple[tuple[float, ...], ...]:
+            if not isinstance(value, list) or not all(isinstance(r, list) for r in value):
+                raise ValueError(f"acceptance table: {name!r} must be a list of lists")
+            table = tuple(tuple(float(p) for p in row) for row in value)
+            if any(not 0 <= p <= 1 for row in table for p in row):
+                raise ValueError(f"acceptance table: {name!r} holds a value outside [0, 1]")
+            return table
+
+        joint = data.get("joint", [])
+        if not isinstance(joint, list) or not all(isinstance(rows, list) for rows in joint):
+            raise ValueError("acceptance table: 'joint' must be a list of lists of lists")
+        cube = tuple(rows_of(rows, "joint") for rows in joint)
+        temperature, steps = data.get("temperature", 0.0), data.get("steps", 0)
+        if not isinstance(temperature, (int, float)) or not isinstance(steps, int):
+            raise ValueError("acceptance table: temperature must be a number, steps an integer")
+        source = str(data.get("source", ""))
+        return cls(rows("beams"), rows("lookup"), cube, float(temperature), steps, source)
+
+
+def survival(runs: Sequence[Sequence[int]], depth: int) -> tuple[tuple[float, ...], ...]:
+    """From each step's runs (accepted drafted tokens of each candidate, ranked best
+    first): row k, depth d -> the fraction of steps whose best of the first k + 1
+    candidates accepted at least d tokens, for d = 1 .. depth."""
+    if not runs:
+        return ()
+    count = len(runs)
+    width = min(len(row) for row in runs)
+    table = []
+    for k in range(width):
+        best = [max(row[: k + 1]) for row in runs]
+        table.append(tuple(sum(b >= d for b in best) / count for d in range(1, depth + 1)))
+    return tuple(table)
+
+
+def joint_survival(
+    runs: Sequence[Sequence[int]], width: int, depth: int
+) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """From each step's runs (the first `width` are drafter beams, the rest lookup
+    branches, each kind ranked best first): [k][g][d - 1] -> the fraction of steps
+    where the best of the first k beams and first g branches accepted at least d
+    tokens (k = 0 .. width, g = 0 .. branches; [0][0] is all zeros)."""
+    if not runs:
+        return ()
+    branches = min(len(row) for row in runs) - width
+    cube = []
+    for k in range(width + 1):
+        plane = []
+        for g in range(branches + 1):
+            best = [max([-1, *row[:k], *row[width : width + g]]) for row in runs]
+            plane.append(tuple(sum(b >= d for b in best) / len(runs) for d in range(1, depth + 1)))
+        cube.append(tuple(plane))
+    return tuple(cube)

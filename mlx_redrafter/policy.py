@@ -4,9 +4,11 @@ where the tree measurably does not pay."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from .config import DEFAULT_TREE, PLAIN_DECODING, TreeConfig
+import numpy as np
+
+from .config import PLAIN_DECODING, TreeConfig
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,7 @@ class TreePolicy:
     tiers: tuple[tuple[int, TreeConfig], ...] = ()
 
     @classmethod
-    def fixed(cls, tree: TreeConfig = DEFAULT_TREE) -> TreePolicy:
+    def fixed(cls, tree: TreeConfig) -> TreePolicy:
         """The same tree at every batch size."""
         return cls(((1 << 30, tree),))
 
@@ -118,3 +120,52 @@ class SpeedGuard:
         waited = self._plain_steps.get(batch_size, 0) + 1
         self._plain_steps[batch_size] = 0 if waited >= self.probe_every else waited
         return tree if waited >= self.probe_every else PLAIN_DECODING
+
+
+class TreeChoice(Protocol):
+    """What a session asks before each step and tells after it (`FixedTrees`,
+    `auto.AutoTree`)."""
+
+    @property
+    def trees(self) -> list[TreeConfig]:
+        """Every tree a step may use (a bounded set of shapes)."""
+        ...
+
+    def describe(self) -> str: ...
+
+    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+        """The tree of the next step of `batch_size` rows at context length `context`
+        (`sampled`: some row samples)."""
+        ...
+
+    def record(
+        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+    ) -> None:
+        """A step's time and each row's runs (B, W + G) of accepted drafted tokens."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedTrees:
+    """The policy's tree at each batch size, with an optional speed guard."""
+
+    policy: TreePolicy
+    guard: SpeedGuard | None = None
+
+    @property
+    def trees(self) -> list[TreeConfig]:
+        return self.policy.trees
+
+    def describe(self) -> str:
+        return self.policy.describe()
+
+    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+        tree = self.policy.tree_for(batch_size)
+        return self.guard.choose(tree, batch_size) if self.guard is not None else tree
+
+    def record(
+        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+    ) -> None:
+        if self.guard is not None:
+            tau = 1.0 + float(np.mean(np.max(runs, axis=1))) if runs.size else 1.0
+            self.guard.record(tree, batch_size, seconds, tau)

@@ -45,7 +45,12 @@ def target_distribution(logits: mx.array, sampling: SamplingConfig) -> mx.array:
     """Log-weights of the distribution plain sampling draws from (unnormalized).
 
     (..., V) -> (..., V); for greedy, the normalized log-probs (argmax is the choice).
+    Without top-p and top-k the logits are only tempered: a sample does not change when
+    every log-weight of a node moves by the same amount, so the log-softmax (an exp
+    over the vocabulary at every node) is skipped.
     """
+    if not sampling.greedy and sampling.top_p >= 1.0 and sampling.top_k == 0:
+        return logits * (1.0 / sampling.temperature)
     logprobs = normalize(logits)
     if sampling.greedy:
         return logprobs

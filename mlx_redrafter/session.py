@@ -29,7 +29,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import PLAIN_DECODING, CacheConfig, SamplingConfig, StopConfig, TreeConfig, as_tree
+from .auto import AutoTree
+from .config import (
+    DEFAULT_TREE,
+    PLAIN_DECODING,
+    CacheConfig,
+    SamplingConfig,
+    StopConfig,
+    TreeConfig,
+    as_tree,
+)
 from .decode import (
     DecodeState,
     PhaseClock,
@@ -42,7 +51,7 @@ from .decode import (
 from .drafter import Drafter
 from .kernels import Kernels
 from .metrics import RequestMetrics
-from .policy import SpeedGuard, TreePolicy
+from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
 from .target import context_length, prepare_target
 
 
@@ -266,9 +275,11 @@ class DecodingSession:
     model: an mlx-lm model (prepared for tree verification here); drafter: None
     decodes plainly, or with lookup branches alone for a tree of W = 0; tokenizer:
     mlx-lm's tokenizer wrapper, or None for token ids alone (no text, no stop
-    strings); tree: a `TreeConfig` or its notation (None: `DEFAULT_TREE`), or a
-    `TreePolicy` (a tree per batch size); guard: a `SpeedGuard` that decodes plainly
-    where the tree measurably does not pay; clock: profile each step's phases.
+    strings); tree: "auto" (None: `DEFAULT_TREE`, the auto tree: `auto.AutoTree`,
+    calibrated for this machine on first use), a `TreeConfig` or its notation
+    ("1x2+1x7"), a `TreePolicy` (a tree per batch size) or any `TreeChoice`; guard:
+    a `SpeedGuard` for a fixed tree or policy, which decodes plainly where the tree
+    measurably does not pay; clock: profile each step's phases.
     """
 
     def __init__(
@@ -277,7 +288,7 @@ class DecodingSession:
         drafter: Drafter | None,
         tokenizer: Any = None,
         *,
-        tree: TreeConfig | TreePolicy | str | None = None,
+        tree: TreeConfig | TreePolicy | TreeChoice | str | None = None,
         cache: CacheConfig | None = None,
         guard: SpeedGuard | None = None,
         compiled: bool | None = None,
@@ -288,12 +299,12 @@ class DecodingSession:
         prepare_target(model)
         if drafter is not None:
             drafter.check_fits(model)
-        self.policy = tree if isinstance(tree, TreePolicy) else TreePolicy.fixed(as_tree(tree))
+        self.policy = tree_choice(tree, model, drafter, guard)
         for candidate in self.policy.trees:
             check_tree(candidate, drafter)
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
         self.cache_config = cache or CacheConfig()
-        self.guard, self.clock, self.prefetch = guard, clock, prefetch
+        self.clock, self.prefetch = clock, prefetch
         self.compiled, self.kernels = compiled, kernels
         plans = [plan_step(t, drafter is not None) for t in self.policy.trees]
         self.depth = max(plan.depth for plan in plans)  # the context check looks ahead
@@ -449,9 +460,11 @@ class DecodingSession:
         return self._functions[tree]
 
     def choose_tree(self, batch_size: int) -> TreeConfig:
-        """The tree of the next step: the policy's, unless the guard says plain."""
-        tree = self.policy.tree_for(batch_size)
-        return self.guard.choose(tree, batch_size) if self.guard is not None else tree
+        """The tree of the next step (the policy's choice)."""
+        if self.state is None:
+            return self.policy.choose(batch_size)
+        sampled = not all(rule.greedy for rule in self.state.sampling)
+        return self.policy.choose(batch_size, self.state.cache.frontier, sampled)
 
     def step(self) -> list[Update]:
         """One step of every request in flight; one update per request."""
@@ -470,7 +483,8 @@ class DecodingSession:
             output = decode_step(self.model, steps, state, self.clock, self.prefetch)
         seconds = time.perf_counter() - started
         used = PLAIN_DECODING if steps.plan.plain else tree
-        self._count(used, batch_size, seconds, output.num_accepted)
+        self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
+        self._count(used, batch_size)
         keep = []
         for position, request_id in enumerate(list(state.row_ids)):
             row = self._rows[request_id]
@@ -491,11 +505,7 @@ class DecodingSession:
             state.select_rows(keep)
         return updates
 
-    def _count(
-        self, tree: TreeConfig, batch_size: int, seconds: float, accepted: list[int]
-    ) -> None:
-        if self.guard is not None:
-            self.guard.record(tree, batch_size, seconds, 1 + sum(accepted) / batch_size)
+    def _count(self, tree: TreeConfig, batch_size: int) -> None:
         self.stats.steps += 1
         self.stats.largest_batch = max(self.stats.largest_batch, batch_size)
         label = tree.label
@@ -530,6 +540,32 @@ class DecodingSession:
                     yield from self.step()
             finally:  # a consumer that stops early leaves nothing behind
                 self._leave(mine)
+
+
+def tree_choice(
+    tree: TreeConfig | TreePolicy | TreeChoice | str | None,
+    model: nn.Module,
+    drafter: Drafter | None,
+    guard: SpeedGuard | None = None,
+) -> TreeChoice:
+    """How a session chooses its trees: the auto tree for "auto" (and None), else the
+    fixed tree or policy given (with `guard` if any)."""
+    tree = DEFAULT_TREE if tree is None else tree
+    if isinstance(tree, str) and tree.strip().lower() == "auto":
+        if guard is not None:
+            raise ValueError("the auto tree guards itself: give a guard with a fixed tree only")
+        return AutoTree.for_model(model, drafter)
+    if isinstance(tree, TreePolicy):
+        return FixedTrees(tree, guard)
+    if isinstance(tree, (TreeConfig, str)):
+        return FixedTrees(TreePolicy.fixed(as_tree(tree)), guard)
+    if not all(hasattr(tree, name) for name in ("trees", "choose", "record", "describe")):
+        raise ValueError(
+            f"tree must be 'auto', a TreeConfig or a string like '1x2+1x7', got {tree!r}"
+        )
+    if guard is not None:
+        raise ValueError("a guard goes with a fixed tree or a TreePolicy")
+    return tree
 
 
 def check_tree(tree: TreeConfig, drafter: Drafter | None) -> None:

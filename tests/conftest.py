@@ -118,3 +118,15 @@ def trained_llama():
     drafter = Drafter.create(model)
     fit(model, drafter, sequences, FitConfig(num_steps=4, iterations=300))
     return model, drafter, prompts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache(tmp_path_factory):
+    """Calibrations of the tests' tiny models go to a temporary folder, not the
+    user's cache."""
+    from mlx_redrafter import calibrate
+
+    folder = tmp_path_factory.mktemp("calibration")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(calibrate, "calibration_folder", lambda: folder)
+        yield folder

@@ -53,11 +53,20 @@ def test_stream_generate_reports_steps_and_totals(setup):
     assert "".join(r.text for r in responses).strip() == words(tokens)
 
 
-def test_drafter_none_is_the_plain_baseline(setup):
+def test_drafter_none_with_the_plain_tree_is_the_plain_baseline(setup):
     model, _, tokenizer, prompts = setup
-    responses = list(stream_generate(model, None, tokenizer, prompts[2], max_tokens=12))
+    options = {"max_tokens": 12, "tree": "plain"}
+    responses = list(stream_generate(model, None, tokenizer, prompts[2], **options))
     assert [r.tokens for r in responses] == [[t] for t in mlx_lm_greedy(model, prompts[2], 12)]
-    assert responses[-1].tokens_per_step == 1.0
+    assert responses[-1].tokens_per_step == 1.0 and responses[-1].tree == "1x1"
+
+
+def test_drafter_none_by_default_looks_up_and_stays_lossless(setup):
+    model, _, tokenizer, prompts = setup
+    responses = list(stream_generate(model, None, tokenizer, prompts[2], max_tokens=24))
+    tokens = [t for r in responses for t in r.tokens]
+    assert tokens == mlx_lm_greedy(model, prompts[2], 24)
+    assert any(r.tree.startswith("0x") for r in responses)  # lookup trees were tried
 
 
 def test_batch_generate_equals_generate(setup):
@@ -116,7 +125,7 @@ def test_sampling_through_the_api_is_seeded(setup):
     [
         ({"tree": "1x0"}, "beam_length"),
         ({"tree": "2by2"}, "is not a tree"),
-        ({"tree": 22}, "tree must be a TreeConfig"),
+        ({"tree": 22}, "tree must be .auto., a TreeConfig"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),

@@ -33,6 +33,7 @@ def result(trained_llama):
             TreeConfig(3, 3),
             TreeConfig(2, 4),
             TreeConfig(1, 2, lookup_branches=1, lookup_length=4),
+            "auto",
         ),
         warmup_tokens=4,
         profile_prompts=2,
@@ -55,6 +56,7 @@ def test_every_method_runs_on_every_prompt(result):
         "redrafter 2x4 unpacked",
         "redrafter 1x2+1x4",
         "redrafter 1x2+1x4 unpacked",
+        "redrafter auto",
     ]
     assert len(result["runs"]) == 3 * len(names)
 
@@ -69,8 +71,8 @@ def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
     assert by_name["plain"]["tau"] == pytest.approx(1.0)
     packed = by_name["redrafter 3x3"]
     assert packed["tau"] > 1.3
-    assert len(packed["acceptance_by_position"]) == 2
-    first, second = packed["acceptance_by_position"]
+    assert len(packed["acceptance_by_depth"]) == 2
+    first, second = packed["acceptance_by_depth"]
     assert 1 >= first >= second >= 0
     assert 0 < packed["tree_compression"] <= 7 / 9  # the root is always shared
     assert by_name["redrafter 3x3 unpacked"]["tree_compression"] == pytest.approx(1.0)
@@ -82,7 +84,7 @@ def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):
     assert lookup["lookup_branches"] == 1 and lookup["lookup_length"] == 4
     assert lookup["tau"] > 1.3
     # Positions 1-3: the lookup branch is longer than the drafter's.
-    assert len(lookup["acceptance_by_position"]) == 3
+    assert len(lookup["acceptance_by_depth"]) == 3
     assert len(lookup["accepted_histogram"]) == 4
     assert 0 < lookup["tree_compression"] <= 5 / 6  # N = 5 of 2 + 4
 
@@ -92,15 +94,21 @@ def test_tau_is_reported_per_category(result):
     runs = result["runs"]
     for summary in result["summary"]:
         mine = [r for r in runs if r["method"] == summary["method"]]
-        by_category = summary["tau_by_category"]
+        baseline = [r for r in runs if r["method"] == "mlx-lm"]
+        by_category = summary["by_category"]
         assert list(by_category) == ["writing", "coding"]
         for category, prompts in (("writing", (0, 2)), ("coding", (1,))):
             chosen = [r for r in mine if r["prompt"] in prompts]
             expected = sum(r["produced_tokens"] for r in chosen) / sum(r["steps"] for r in chosen)
-            assert by_category[category] == pytest.approx(expected)
+            assert by_category[category]["tau"] == pytest.approx(expected)
+            base = [r for r in baseline if r["prompt"] in prompts]
+            speed = sum(r["decode_tokens"] / r["decode_seconds"] for r in chosen) / len(chosen)
+            base_speed = sum(r["decode_tokens"] / r["decode_seconds"] for r in base) / len(base)
+            assert by_category[category]["speedup"] == pytest.approx(speed / base_speed)
         if summary["method"] == "plain":
-            assert by_category == {"writing": 1.0, "coding": 1.0}
-    assert "tau by category" in format_table(result)
+            assert [c["tau"] for c in by_category.values()] == [1.0, 1.0]
+            assert {c["tree"] for c in by_category.values()} == {"1x1"}
+    assert "speed-up / tau by category" in format_table(result)
     with pytest.raises(ValueError, match="2 categories for 3 prompts"):
         model = None
         run_benchmark(model, None, None, [[1], [2], [3]], BenchConfig(), categories=["a", "b"])
@@ -122,10 +130,21 @@ def test_outputs_json_table_and_plots(result, tmp_path):
     plots = write_plots(result, tmp_path)
     assert sorted(p.name for p in plots) == [
         "accepted_histogram.png",
+        "cost_curve.png",
+        "speedup_by_category.png",
         "speedup_heatmap.png",
         "tokens_per_second.png",
     ]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in plots)
+
+
+def test_the_auto_tree_reports_the_trees_it_used(result):
+    auto = next(s for s in result["summary"] if s["method"] == "redrafter auto")
+    assert auto["tree"] == "auto" and auto["beam_width"] is None
+    steps = sum(r["steps"] for r in result["runs"] if r["method"] == "redrafter auto")
+    assert sum(auto["trees_used"].values()) == steps
+    assert all(c["tree"] in auto["trees_used"] for c in auto["by_category"].values())
+    assert result["calibration"]["sizes"][0] == 1
 
 
 def test_environment_and_slow_blas_warning():

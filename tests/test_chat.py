@@ -26,7 +26,7 @@ from tiny_models import _COMMON, FAMILY_CONFIGS, tiny_tokenizer
 
 from mlx_redrafter import generate, stream_generate
 from mlx_redrafter.cli import main as cli_main
-from mlx_redrafter.config import DEFAULT_TREE, TreeConfig
+from mlx_redrafter.config import TreeConfig
 from mlx_redrafter.prompts import chat_tokens
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -118,13 +118,13 @@ def test_generate_command_decodes_the_tree_it_is_given(
     model_dir, drafter_dir = saved
     question = " ".join(f"w{t}" for t in prompts[0])
     steps = {}
-    for label in ("2x3+1x5", DEFAULT_TREE.label):
+    for label in ("2x3+1x5", "1x2+1x7"):
         tree = TreeConfig.parse(label)
         *_, last = stream_generate(
             model, drafter, chat_tokenizer(), question, max_tokens=30, tree=tree
         )
         steps[label] = last.steps
-    assert steps["2x3+1x5"] != steps[DEFAULT_TREE.label]  # the tree shows in the steps
+    assert steps["2x3+1x5"] != steps["1x2+1x7"]  # the tree shows in the steps
     expected = generate(model, drafter, chat_tokenizer(), question, max_tokens=30)
     argv = ["generate", "--model", str(model_dir), "--drafter", str(drafter_dir)]
     argv += ["--prompt", question, "--no-chat-template", "--max-tokens", "30"]

@@ -196,12 +196,11 @@ def test_drafting_ahead_and_the_generation_stream_change_nothing(trained_llama):
     on its own generation stream: tokens, acceptances and tree sizes are those of a
     session that drafts each step when it starts, for every kind of tree, greedy and
     sampled, with rows leaving the batch at different steps."""
-    from mlx_redrafter.config import DEFAULT_TREE
     from mlx_redrafter.session import DecodingSession, Request
 
     model, drafter, prompts = trained_llama
     rows = prompts[:3]
-    for tree in (TreeConfig(3, 4), DEFAULT_TREE, TreeConfig.parse("0x5+1:text")):
+    for tree in (TreeConfig(3, 4), TreeConfig.parse("1x2+1x7"), TreeConfig.parse("0x5+1:text")):
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
             runs = []
             for prefetch in (True, False):

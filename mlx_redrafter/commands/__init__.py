@@ -4,6 +4,17 @@ Each module has `register(commands)`, which adds its subparser and sets
 `run=<function(args) -> exit code>` as the parser default.
 """
 
-from . import bench, chat, distill, generate, kernels, ngrams, serve, train
+from . import acceptance, bench, calibrate, chat, distill, generate, kernels, ngrams, serve, train
 
-COMMANDS = [generate, distill, train, ngrams, bench, kernels, chat, serve]
+COMMANDS = [
+    generate,
+    distill,
+    train,
+    ngrams,
+    acceptance,
+    calibrate,
+    bench,
+    kernels,
+    chat,
+    serve,
+]

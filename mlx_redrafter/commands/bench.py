@@ -44,13 +44,23 @@ def register(commands: Any) -> None:
     )
     bench.add_argument("--model", help="MLX model folder or Hub id (default: embedded)")
     bench.add_argument("--drafter", help="drafter folder or Hub id (default: shipped)")
-    bench.add_argument("--no-drafter", action="store_true", help="compare plain methods only")
+    bench.add_argument(
+        "--no-drafter",
+        action="store_true",
+        help="no drafter: mlx-lm, plain, and lookup-only or auto trees",
+    )
     bench.add_argument(
         "--prompts",
         default=str(MT_BENCH),
         help="JSONL of MT-Bench questions or {'prompt': ...} rows (default: MT-Bench first turns)",
     )
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument(
+        "--per-category",
+        type=int,
+        default=None,
+        help="use the first N prompts of each category (MT-Bench: 8 categories of 10 prompts)",
+    )
     bench.add_argument("--max-tokens", type=int, default=256)
     bench.add_argument(
         "--tree",
@@ -58,7 +68,7 @@ def register(commands: Any) -> None:
         default=(DEFAULT_TREE,),
         help=f"trees WxL, WxL+G (G lookup branches) or WxL+GxLl (lookup branches of Ll "
         f"tokens), comma-separated (default "
-        f"{DEFAULT_TREE.label}, the default of generation)",
+        f"{DEFAULT_TREE}, the default of generation)",
     )
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-p", type=float, default=1.0)
@@ -96,7 +106,18 @@ def run(args: argparse.Namespace) -> int:
         profile_prompts=args.profile_prompts,
         batch_sizes=args.batch_sizes,
     )
-    records = read_prompts(args.prompts)[: args.limit]
+    if args.per_category is not None and args.per_category < 1:
+        raise ValueError("--per-category must be >= 1")
+    records = read_prompts(args.prompts)
+    if args.per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for record in records:
+            seen[record.source] = seen.get(record.source, 0) + 1
+            if seen[record.source] <= args.per_category:
+                kept.append(record)
+        records = kept
+    records = records[: args.limit]
     model, drafter, tokenizer = load_from_args(args)
     prompts = [encode_prompt(tokenizer, record.messages) for record in records]
     categories = [record.source for record in records]

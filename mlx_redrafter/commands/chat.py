@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..config import TreeConfig
 from ..decode import plan_step
 from .common import describe_tree, load_from_args, parse_tree
 from .generate import add_model_arguments, add_tree_argument
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         system=args.system,
         show_drafts=args.show_drafts,
     )
-    plain = plan_step(tree, drafter is not None).plain
+    plain = isinstance(tree, TreeConfig) and plan_step(tree, drafter is not None).plain
     mode = describe_tree(drafter, tree)
     print(f"chat ({mode}); /help lists the commands, /quit leaves", file=sys.stderr)
     if args.show_drafts and not plain:

@@ -26,16 +26,19 @@ def load_from_args(args: argparse.Namespace) -> tuple[nn.Module, Drafter | None,
     return model, None if no_drafter else drafter, tokenizer
 
 
-def parse_trees(text: str, option: str = "--tree") -> tuple[TreeConfig, ...]:
-    """'4x4,1x3+1' -> (TreeConfig(4, 4), TreeConfig(1, 3, lookup_branches=1)); see
-    TreeConfig.parse. A bad shape is a ValueError that names the option."""
+def parse_trees(text: str, option: str = "--tree") -> tuple[TreeConfig | str, ...]:
+    """'auto,4x4,1x3+1' -> ("auto", TreeConfig(4, 4), TreeConfig(1, 3, lookup_branches=1));
+    see TreeConfig.parse. A bad shape is a ValueError that names the option."""
     try:
-        return tuple(TreeConfig.parse(item) for item in text.split(","))
+        return tuple(
+            "auto" if item.strip().lower() == "auto" else TreeConfig.parse(item)
+            for item in text.split(",")
+        )
     except ValueError as error:
-        raise ValueError(f"{option}: {error}") from None
+        raise ValueError(f"{option}: {error} (or 'auto', the default)") from None
 
 
-def parse_tree(text: str, option: str = "--tree") -> TreeConfig:
+def parse_tree(text: str, option: str = "--tree") -> TreeConfig | str:
     """One tree, e.g. '1x2+1x7' (`parse_trees` of a single shape)."""
     trees = parse_trees(text, option)
     if len(trees) != 1:
@@ -43,8 +46,11 @@ def parse_tree(text: str, option: str = "--tree") -> TreeConfig:
     return trees[0]
 
 
-def describe_tree(drafter: Drafter | None, tree: TreeConfig) -> str:
+def describe_tree(drafter: Drafter | None, tree: TreeConfig | str) -> str:
     """How a session with this drafter and tree decodes, for the user (see `plan_step`)."""
+    if isinstance(tree, str):
+        source = "drafter and lookup" if drafter is not None else "lookup"
+        return f"ReDrafter auto tree ({source} trees or plain, chosen per step)"
     if plan_step(tree, drafter is not None).plain:
         return "plain decoding"
     return f"ReDrafter {tree.label} (W drafter beams x L, + lookup branches)"

@@ -51,9 +51,9 @@ def register(commands: Any) -> None:
     )
     parser.add_argument(
         "--tree",
-        default=DEFAULT_TREE.label,
+        default=DEFAULT_TREE,
         help="the tree with --drafter, as in `bench --tree` (WxL, WxL+GxLl, ...; "
-        f"default {DEFAULT_TREE.label}, the default of generation)",
+        f"default {DEFAULT_TREE}, the default of generation)",
     )
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)

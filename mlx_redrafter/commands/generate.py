@@ -24,7 +24,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="drafter folder or Hub id (default: the shipped drafter of the default model)",
     )
     parser.add_argument(
-        "--no-drafter", action="store_true", help="decode plainly, one token per target forward"
+        "--no-drafter",
+        action="store_true",
+        help="decode without a drafter (lookup branches from the text, or plainly)",
     )
 
 
@@ -42,11 +44,11 @@ def add_tree_argument(parser: argparse.ArgumentParser) -> None:
     """--tree, the tree of each step (read with `common.parse_tree`)."""
     parser.add_argument(
         "--tree",
-        default=DEFAULT_TREE.label,
+        default=DEFAULT_TREE,
         help="the tree: WxL (W drafter beams of L tokens), WxL+GxLl (and G lookup branches "
         "of Ll tokens from the text or the drafter's n-gram table; ':text' after it: "
         "the text only), e.g. 2x2, 1x3+1x7, 0x5+1:text (no drafter needed); "
-        f"default {DEFAULT_TREE.label}",
+        f"default {DEFAULT_TREE}",
     )
 
 

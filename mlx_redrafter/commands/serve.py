@@ -34,9 +34,10 @@ def register(commands: Any) -> None:
     serve.add_argument(
         "--tree",
         default=None,
-        help="the tree at every batch size (e.g. 1x2+1x7), or a tree per batch size, "
-        "MAXBATCH:TREE comma-separated, plain beyond the last tier; 'plain' never "
-        f"speculates (default: {DEFAULT_TREE.label} at every batch size)",
+        help="'auto' (the default: the tree chosen per step and batch size from this "
+        "machine's calibrated cost and the running acceptance), the tree at every batch "
+        "size (e.g. 1x2+1x7), or a tree per batch size, MAXBATCH:TREE comma-separated, "
+        "plain beyond the last tier; 'plain' never speculates",
     )
     serve.add_argument(
         "--fixed-tree",
@@ -75,11 +76,12 @@ def run(args: argparse.Namespace) -> int:
         from mlx_redrafter.apps.server import Server, create_app
     except ImportError as error:
         raise ValueError(f"the server needs {SERVE_EXTRA}: {error}") from None
-    policy = TreePolicy.fixed() if args.tree is None else TreePolicy.parse(args.tree)
+    auto = args.tree is None or args.tree.strip().lower() == DEFAULT_TREE
+    policy: TreePolicy | str = DEFAULT_TREE if auto else TreePolicy.parse(args.tree)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     model, drafter, tokenizer = load_from_args(args)
-    guard = None if args.fixed_tree else SpeedGuard()
+    guard = None if args.fixed_tree or auto else SpeedGuard()
     batcher = Batcher(
         model, drafter, tokenizer, policy, max_batch=args.max_batch, seed=args.seed, guard=guard
     )

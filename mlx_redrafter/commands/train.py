@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import DEFAULT_TREE, PLAIN_DECODING, TreeConfig
+from ..config import DEFAULT_TREE, PLAIN_DECODING, TreeConfig, tree_label
 from ..distill import DistilledSequence, load_distilled
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load, load_drafter
@@ -148,9 +148,9 @@ def _add_report(report: Any) -> None:
     report.add_argument("--tau-max-tokens", type=int, default=128)
     report.add_argument(
         "--tau-trees",
-        default=DEFAULT_TREE.label,
+        default=DEFAULT_TREE,
         help="trees as in `bench --tree` (WxL, WxL+GxLl, ...), comma-separated "
-        f"(1x1: plain; default {DEFAULT_TREE.label}, the default of generation)",
+        f"(1x1: plain; default {DEFAULT_TREE}, the default of generation)",
     )
     report.add_argument(
         "--tau-file", help="decode these JSONL prompts (chat template) instead of held-out ones"
@@ -209,6 +209,7 @@ def _drafter(
     if args.init_drafter:
         drafter = load_drafter(args.init_drafter)
         drafter.check_fits(model)
+        drafter.acceptance = None  # measured for the old weights: measure the new ones again
         return drafter
     vocab_ids = None
     if args.draft_vocab:
@@ -241,7 +242,7 @@ def _drafter(
 
 def _tau_report(
     args: argparse.Namespace,
-    trees: tuple[TreeConfig, ...],
+    trees: tuple[TreeConfig | str, ...],
     model: Any,
     drafter: Drafter,
     tokenizer: Any,
@@ -259,8 +260,8 @@ def _tau_report(
         max_tokens=args.tau_max_tokens,
         batch_size=batch_size,
     ):
-        taus.append({"tree": tree.label, **asdict(tau)})
-        mode = "plain decoding" if tree == PLAIN_DECODING else tree.label
+        taus.append({"tree": tree_label(tree), **asdict(tau)})
+        mode = "plain decoding" if tree == PLAIN_DECODING else tree_label(tree)
         print(
             f"tau {mode}: {tau.tau:.3f} tokens/step over {tau.prompts} prompts of {label} "
             f"({tau.tokens} tokens, {tau.steps} target steps; {tau.tokens_per_second:.1f} "
@@ -380,7 +381,7 @@ def _validation_text(metrics: dict[str, Any]) -> str:
 
 
 def _evaluate_only(
-    args: argparse.Namespace, config: TrainConfig, trees: tuple[TreeConfig, ...]
+    args: argparse.Namespace, config: TrainConfig, trees: tuple[TreeConfig | str, ...]
 ) -> int:
     if not args.tau_file and not args.data:
         raise ValueError(

@@ -141,15 +141,17 @@ def accept_fused(
     launch: Launch = metal_launch,
 ) -> Acceptance:
     """`accept` as one kernel, one thread per row (the same contract)."""
-    batch_size, _, beam_length = beams.shape
+    batch_size, beam_width, beam_length = beams.shape
     if batch_size == 0:
         return accept(beams, unpack, canonical, choices)
     grid = (batch_size, 1, 1)
-    num_accepted, tokens, path, last_node, bonus_tokens = launch(
+    num_accepted, tokens, path, last_node, bonus_tokens, runs = launch(
         ACCEPT,
         [x.astype(mx.int32) for x in (beams, unpack, canonical, choices)],
-        [(batch_size,), (batch_size, beam_length), (batch_size, beam_length)] + [(batch_size,)] * 2,
-        [mx.int32] * 5,
+        [(batch_size,), (batch_size, beam_length), (batch_size, beam_length)]
+        + [(batch_size,)] * 2
+        + [(batch_size, beam_width)],
+        [mx.int32] * 6,
         grid,
         threadgroup_for(grid),
     )
@@ -159,6 +161,7 @@ def accept_fused(
         path=path.astype(unpack.dtype),
         last_node=last_node.astype(unpack.dtype),
         bonus_tokens=bonus_tokens.astype(choices.dtype),
+        runs=runs,
     )
 
 

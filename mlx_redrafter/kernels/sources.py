@@ -150,11 +150,11 @@ BEAM_SELECT = KernelSpec(
 # Walks every beam along the target's choices (the choice at a prefix's canonical
 # node must equal the beam's next token, and that token's own node must have been
 # verified), keeps the first beam with the longest run, and writes the step's
-# outputs. Same contract as `accept.accept`.
+# outputs and every beam's run. Same contract as `accept.accept`.
 ACCEPT = KernelSpec(
     name="redrafter_accept",
     input_names=("beams", "unpack", "canonical", "choices"),
-    output_names=("num_accepted", "tokens", "path", "last_node", "bonus_tokens"),
+    output_names=("num_accepted", "tokens", "path", "last_node", "bonus_tokens", "runs"),
     source="""
   const int batch = beams_shape[0];
   const int width = beams_shape[1];
@@ -179,6 +179,7 @@ ACCEPT = KernelSpec(
       }
       ++run;
     }
+    runs[b * width + w] = run;
     if (run > best_run) {
       best = w;
       best_run = run;

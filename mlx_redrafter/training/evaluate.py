@@ -16,9 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..config import PLAIN_DECODING, TreeConfig
+from ..config import PLAIN_DECODING, SamplingConfig, StopConfig, TreeConfig
 from ..drafter import Drafter
 from ..generate import stream_batch, stream_generate
+from ..metrics import AcceptanceTable, joint_survival, survival
 from ..prompts import encode_prompt, read_prompts
 from .config import TrainConfig
 from .data import (
@@ -175,7 +176,7 @@ def measure_tau(
     tokenizer: Any,
     prompts: Sequence[Sequence[int]],
     *,
-    tree: TreeConfig,
+    tree: TreeConfig | str,
     max_tokens: int = 256,
     batch_size: int = 1,
 ) -> TauResult:
@@ -220,11 +221,11 @@ def measure_trees(
     drafter: Drafter,
     tokenizer: Any,
     prompts: Sequence[Sequence[int]],
-    trees: Sequence[TreeConfig],
+    trees: Sequence[TreeConfig | str],
     *,
     max_tokens: int = 256,
     batch_size: int = 1,
-) -> Iterator[tuple[TreeConfig, TauResult]]:
+) -> Iterator[tuple[TreeConfig | str, TauResult]]:
     """`measure_tau` for each tree in turn (`PLAIN_DECODING` decodes without the drafter)."""
     for tree in trees:
         plain = tree == PLAIN_DECODING
@@ -264,3 +265,80 @@ def tau_prompts(
             prompts = [prompts[i * len(prompts) // count] for i in range(count)]
         return prompts, path
     return [p for p in held_out if p][:count], "held-out prompts"
+
+
+# ---------------------------------------------------------------------------
+# acceptance per depth, for the auto tree
+
+
+class _RecordRuns:
+    """A `policy.TreeChoice` that always uses one tree and keeps every row's runs."""
+
+    def __init__(self, tree: TreeConfig):
+        self.tree = tree
+        self.runs: list[list[int]] = []
+
+    @property
+    def trees(self) -> list[TreeConfig]:
+        return [self.tree]
+
+    def describe(self) -> str:
+        return self.tree.label
+
+    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+        return self.tree
+
+    def record(
+        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+    ) -> None:
+        self.runs.extend(runs.tolist())
+
+
+ACCEPTANCE_TREE = TreeConfig(8, 7, lookup_branches=4, lookup_length=10)
+
+
+def measure_acceptance(
+    model: nn.Module,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    *,
+    tree: TreeConfig = ACCEPTANCE_TREE,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    batch_size: int = 8,
+    source: str = "",
+) -> AcceptanceTable:
+    """Decode the prompts with a wide tree and tabulate, per depth, how often the best
+    of the first k drafter beams (and, separately, of the first k lookup branches)
+    had its first d drafted tokens accepted (`metrics.AcceptanceTable`).
+
+    Without a drafter the tree's beams are dropped and only lookup branches count.
+    """
+    from ..session import DecodingSession, Request, request_keys
+
+    width = tree.beam_width if drafter is not None else 0
+    if drafter is None:
+        tree = TreeConfig(
+            0, 1, lookup_branches=tree.lookup_branches, lookup_length=tree.lookup_branch_length
+        )
+    recorder = _RecordRuns(tree)
+    session = DecodingSession(model, drafter, tree=recorder)
+    sampling = SamplingConfig(temperature=temperature)
+    stop = StopConfig(max_tokens=max_tokens)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        keys = request_keys(0, len(chunk))
+        requests = [Request(list(p), sampling, stop, key) for p, key in zip(chunk, keys)]
+        for _ in session.run(requests):
+            pass
+    beams = [row[:width] for row in recorder.runs] if width else []
+    lookup = [row[width:] for row in recorder.runs]
+    depth = min(tree.beam_length, tree.lookup_branch_length) - 1 if width else 0
+    return AcceptanceTable(
+        beams=survival(beams, tree.beam_length - 1) if width else (),
+        lookup=survival(lookup, tree.lookup_branch_length - 1),
+        joint=joint_survival(recorder.runs, width, depth) if width else (),
+        temperature=temperature,
+        steps=len(recorder.runs),
+        source=f"{source or f'{len(prompts)} prompts x {max_tokens} tokens'}, tree {tree.label}",
+    )

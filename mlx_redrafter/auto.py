@@ -1,0 +1,349 @@
+"""The auto tree: each step's tree chosen to maximize expected tokens per second.
+
+Shapes: C candidate trees, K candidates of one kind (drafter beams or lookup
+branches) ranked best first, D depth (drafted tokens), B batch.
+
+    expected tokens per step  E(tree) = 1 + sum_d P(some candidate accepts >= d tokens)
+    step cost                 S(tree) = verify(B * N) + draft(W, L) + lookup + overhead
+    choice                    argmax over trees of B * E / S, plain decoding included
+
+The step cost comes from this machine's calibration (`calibrate.py`). Acceptance
+starts from a prior (the drafter's own table, measured when it was made, or a
+built-in table for lookup branches) and follows the current generation: every
+step tells how many tokens each candidate had accepted, and a running estimate
+with a short memory replaces the prior where it has seen enough. A tree that stops
+paying (text the drafter cannot guess, nothing to copy) gives way to plain
+decoding; as the estimate forgets, it is tried again now and then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import mlx.nn as nn
+import numpy as np
+
+from .calibrate import Calibration, cached_calibration
+from .config import PLAIN_DECODING, TreeConfig
+from .drafter import Drafter
+from .metrics import AcceptanceTable
+
+DEPTH = 9  # deepest drafted token the estimates follow
+MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
+
+# Lookup branches searched in the row's own text (no drafter): the fraction of steps
+# whose best of the first k + 1 branches had d tokens accepted. Measured (greedy,
+# 1606 steps) with SmolLM2-135M-Instruct on 24 prompts held out from its drafter's
+# training (`mlx-redrafter measure-acceptance --no-drafter`, docs/auto-tree.md).
+LOOKUP_PRIOR = AcceptanceTable(
+    lookup=(
+        (0.177, 0.112, 0.083, 0.062, 0.053, 0.047, 0.042, 0.039, 0.035),
+        (0.230, 0.141, 0.102, 0.077, 0.065, 0.056, 0.049, 0.046, 0.040),
+        (0.255, 0.166, 0.110, 0.085, 0.071, 0.061, 0.053, 0.050, 0.044),
+        (0.265, 0.174, 0.124, 0.095, 0.076, 0.064, 0.055, 0.052, 0.045),
+    ),
+    steps=1606,
+    source="built-in prior: SmolLM2-135M-Instruct, 24 held-out prompts x 128 tokens, 0x1+4x10",
+)
+
+# A drafter without a measured table: a modest guess that the running estimate
+# replaces within a few steps.
+DRAFTER_PRIOR = AcceptanceTable(
+    beams=(
+        (0.45, 0.25, 0.14, 0.08, 0.05, 0.03),
+        (0.52, 0.30, 0.17, 0.10, 0.06, 0.04),
+        (0.56, 0.33, 0.19, 0.11, 0.07, 0.04),
+        (0.58, 0.35, 0.20, 0.12, 0.07, 0.05),
+    ),
+    source="generic prior",
+)
+
+
+# -- candidates --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The trees the auto choice picks from, as arrays over candidates (C,).
+
+    width W (0: no drafter beams), length L, branches G (0: none), branch_length Ll,
+    packed N. Index 0 is plain decoding.
+    """
+
+    trees: tuple[TreeConfig, ...]
+    width: np.ndarray
+    length: np.ndarray
+    branches: np.ndarray
+    branch_length: np.ndarray
+    packed: np.ndarray
+
+    @classmethod
+    def of(cls, trees: Sequence[TreeConfig]) -> Candidates:
+        def column(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64)
+
+        drafted = [t.beam_width if t.beam_length > 1 else 0 for t in trees]
+        return cls(
+            tuple(trees),
+            column(drafted),
+            column([t.beam_length if w else 1 for t, w in zip(trees, drafted)]),
+            column([t.lookup_branches for t in trees]),
+            column([t.lookup_branch_length if t.lookup_branches else 1 for t in trees]),
+            column([t.num_packed for t in trees]),
+        )
+
+
+def candidate_trees(
+    has_drafter: bool, max_width: int = 8, max_packed: int = MAX_PACKED
+) -> Candidates:
+    """Plain decoding, lookup-only trees and (with a drafter) drafter trees with and
+    without lookup branches, up to `max_packed` packed tokens."""
+    trees = [PLAIN_DECODING]
+    for count in (1, 2, 4):
+        for length in (3, 4, 5, 7, 10):
+            trees.append(TreeConfig(0, 1, lookup_branches=count, lookup_length=length))
+    if has_drafter:
+        for width in (w for w in (1, 2, 3, 4, 6, 8) if w <= max_width):
+            for length in range(2, 8):
+                trees.append(TreeConfig(width, length))
+                for count in (1, 2):
+                    for branch in (4, 7, 10):
+                        trees.append(
+                            TreeConfig(width, length, lookup_branches=count, lookup_length=branch)
+                        )
+    return Candidates.of([t for t in trees if t.num_packed <= max_packed])
+
+
+# -- acceptance ----------------------------------------------------------------------
+
+
+def _prior_rows(rows: Sequence[Sequence[float]], count: int, depth: int) -> np.ndarray:
+    """A prior survival table (count, depth): missing rows repeat the last one, missing
+    depths continue the last measured rate of decay."""
+    table = np.zeros((count, depth))
+    if not rows:
+        return table
+    for k in range(count):
+        row = list(rows[min(k, len(rows) - 1)])
+        rate = row[-1] / row[-2] if len(row) >= 2 and row[-2] > 0 else 0.5
+        while len(row) < depth:
+            row.append(row[-1] * min(rate, 0.95))
+        table[k] = row[:depth]
+    return np.clip(table, 0.0, 1.0)
+
+
+def prior_cube(table: AcceptanceTable, beams: int, branches: int, depth: int) -> np.ndarray:
+    """(beams + 1, branches + 1, D) survival of the best of the first k drafter beams
+    and first g lookup branches: the table's joint measurement where it has one, else
+    the two kinds taken as independent ([0, 0] is zero: no candidate)."""
+    zero = np.zeros((1, depth))
+    by_beam = np.concatenate([zero, _prior_rows(table.beams, beams, depth)])  # (Kw+1, D)
+    by_branch = np.concatenate([zero, _prior_rows(table.lookup, branches, depth)])  # (Kg+1, D)
+    cube = 1.0 - (1.0 - by_beam[:, None, :]) * (1.0 - by_branch[None, :, :])  # (Kw+1, Kg+1, D)
+    for k, plane in enumerate(table.joint[: beams + 1]):
+        for g, row in enumerate(plane[: branches + 1]):
+            cube[k, g, : len(row)] = row[:depth]
+    return cube
+
+
+class AcceptanceEstimate:
+    """Running acceptance of a step's candidates: for the best of the first k drafter
+    beams and first g lookup branches, and depth d, the steps that reached depth
+    d - 1 and those that went on to accept token d. Counts fade by `decay` each step,
+    and `strength` steps' worth of the prior's rates are mixed in.
+
+    prior: (Kw + 1, Kg + 1, D) survival (`prior_cube`).
+    """
+
+    def __init__(self, prior: np.ndarray, strength: float = 2.0, decay: float = 0.99):
+        before = np.concatenate([np.ones_like(prior[..., :1]), prior[..., :-1]], axis=-1)
+        self.prior_rate = np.where(before > 0, prior / np.maximum(before, 1e-9), 0.0)
+        self.strength, self.decay = strength, decay
+        self.reached: np.ndarray = np.zeros(prior.shape)
+        self.passed: np.ndarray = np.zeros(prior.shape)
+
+    def fade(self) -> None:
+        self.reached *= self.decay
+        self.passed *= self.decay
+
+    def observe(
+        self, beam_runs: np.ndarray, branch_runs: np.ndarray, length: int, branch_length: int
+    ) -> None:
+        """One step: beam_runs (B, W) and branch_runs (B, G), the drafted tokens each
+        candidate had accepted, ranked best first within each kind; length and
+        branch_length: tokens per beam and per branch (the depths verified)."""
+        beams, branches, depth = (int(n) for n in self.reached.shape)
+        w, g = min(beam_runs.shape[1], beams - 1), min(branch_runs.shape[1], branches - 1)
+        if w + g == 0:
+            return
+        none = np.full((beam_runs.shape[0], 1), -1)  # (B, 1): no candidate
+        by_beam = np.maximum.accumulate(np.hstack([none, beam_runs[:, :w]]), axis=1)
+        by_branch = np.maximum.accumulate(np.hstack([none, branch_runs[:, :g]]), axis=1)
+        best = np.maximum(by_beam[:, :, None], by_branch[:, None, :])  # (B, w+1, g+1)
+        # A cell is seen at depth d when each of its kinds is long enough to reach d.
+        reach = np.full((w + 1, g + 1), depth)
+        reach[1:, :] = np.minimum(reach[1:, :], length - 1)
+        reach[:, 1:] = np.minimum(reach[:, 1:], branch_length - 1)
+        reach[0, 0] = 0
+        depths = np.arange(1, depth + 1)  # (D,)
+        seen = depths[None, None, :] <= reach[:, :, None]  # (w+1, g+1, D)
+        alive = best[..., None] >= depths - 1  # (B, w+1, g+1, D)
+        passed = best[..., None] >= depths
+        self.reached[: w + 1, : g + 1] += np.sum(alive, axis=0) * seen
+        self.passed[: w + 1, : g + 1] += np.sum(passed, axis=0) * seen
+
+    def survival(self) -> np.ndarray:
+        """(Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens).
+
+        The prior's rates are first scaled by how the observed steps compare with
+        what the prior predicted for them, so that text where nothing is accepted
+        lowers the cells not yet observed too (wider trees, deeper tokens)."""
+        weight = self.strength
+        predicted = float(np.sum(self.reached * self.prior_rate))
+        scale = (float(np.sum(self.passed)) + weight) / (predicted + weight)
+        prior = np.clip(self.prior_rate * scale, 0.0, 1.0)
+        rate = (self.passed + weight * prior) / (self.reached + weight)
+        cube = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)
+        cube[0, 0] = 0.0
+        return cube
+
+
+def expected_tokens(candidates: Candidates, cube: np.ndarray) -> np.ndarray:
+    """(C,) expected tokens per step of each candidate from the survival cube
+    (Kw + 1, Kg + 1, D): at depth d the beams count while d < L, the branches while
+    d < Ll."""
+    beams, branches, depth = cube.shape
+    d = np.arange(1, depth + 1)[None, :]  # (1, D)
+    width = np.minimum(candidates.width, beams - 1)[:, None]  # (C, 1)
+    count = np.minimum(candidates.branches, branches - 1)[:, None]
+    k = np.where(d < candidates.length[:, None], width, 0)  # (C, D)
+    g = np.where(d < candidates.branch_length[:, None], count, 0)  # (C, D)
+    return 1.0 + np.sum(cube[k, g, d - 1], axis=1)
+
+
+def step_seconds(
+    candidates: Candidates,
+    calibration: Calibration,
+    batch_size: int,
+    context: int,
+    sampled: bool = False,
+) -> np.ndarray:
+    """(C,) predicted seconds of a step of each candidate for `batch_size` rows
+    (`sampled`: some row samples, so every packed token is sampled, not argmaxed)."""
+    packed = batch_size * candidates.packed
+    verify = calibration.verify_seconds(packed, context)
+    draft = calibration.draft_seconds(batch_size * candidates.width, candidates.length)
+    lookup = np.where(candidates.branches > 0, calibration.lookup, 0.0)
+    sample = calibration.sample * packed if sampled else 0.0
+    return verify + draft + lookup + sample
+
+
+# -- the choice ------------------------------------------------------------------------
+
+
+class AutoTree:
+    """Chooses each step's tree from the calibrated cost and the running acceptance.
+
+    every: steps between choices (a chosen tree runs at least this long, so its shape
+    is compiled once and used); margin: a new tree must promise this much more
+    speed than the current one to replace it.
+    """
+
+    def __init__(
+        self,
+        calibration: Calibration,
+        candidates: Candidates,
+        prior: AcceptanceTable,
+        *,
+        every: int = 4,
+        margin: float = 0.03,
+    ):
+        self.calibration, self.candidates = calibration, candidates
+        kinds = (int(candidates.width.max()), int(candidates.branches.max()))
+        if not prior.lookup:
+            prior = replace(prior, lookup=LOOKUP_PRIOR.lookup)
+        self.acceptance = AcceptanceEstimate(prior_cube(prior, kinds[0], kinds[1], DEPTH))
+        self.every, self.margin = every, margin
+        self.overhead = 0.0  # measured step time beyond the calibrated cost (seconds)
+        self.current: dict[int, int] = {}  # batch size -> candidate index
+        self._age: dict[int, int] = {}
+        self._costs: dict[tuple[int, int, bool], np.ndarray] = {}
+        self._index = {tree: i for i, tree in enumerate(candidates.trees)}
+        self._sampled = False
+        self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
+
+    @classmethod
+    def for_model(cls, model: nn.Module, drafter: Drafter | None, **options: float) -> AutoTree:
+        """The auto tree of (model, drafter) on this machine: its calibration is read from
+        the cache folder, or measured now (seconds) and stored there; acceptance starts
+        from the drafter's own table, or the built-in priors."""
+        calibration, _ = cached_calibration(model, drafter, announce=True)
+        width = min(8, drafter.config.output_size) if drafter is not None else 0
+        candidates = candidate_trees(drafter is not None, max_width=width)
+        prior = LOOKUP_PRIOR
+        if drafter is not None:
+            prior = drafter.acceptance or DRAFTER_PRIOR
+        return cls(calibration, candidates, prior, **options)  # type: ignore[arg-type]
+
+    @property
+    def trees(self) -> list[TreeConfig]:
+        return list(self.candidates.trees)
+
+    def describe(self) -> str:
+        kinds = "lookup and drafter trees" if self.candidates.width.max() else "lookup trees"
+        return f"auto (plain, {kinds} up to N={int(self.candidates.packed.max())})"
+
+    def calibrated(self, batch_size: int, context: int, sampled: bool = False) -> np.ndarray:
+        """(C,) step seconds of every candidate as the calibration predicts them."""
+        band = max(64, 1 << max(context - 1, 1).bit_length())  # powers of two
+        key = (batch_size, band, sampled)
+        if key not in self._costs:
+            self._costs[key] = step_seconds(
+                self.candidates, self.calibration, batch_size, band, sampled
+            )
+        return self._costs[key]
+
+    def costs(self, batch_size: int, context: int, sampled: bool = False) -> np.ndarray:
+        """(C,) expected step seconds: the calibrated cost plus the measured overhead,
+        times each tree's own measured correction once it has run."""
+        return (self.calibrated(batch_size, context, sampled) + self.overhead) * self.factor
+
+    def speeds(self, batch_size: int, context: int, sampled: bool = False) -> np.ndarray:
+        """(C,) expected tokens per second of every candidate."""
+        tokens = expected_tokens(self.candidates, self.acceptance.survival())
+        return batch_size * tokens / self.costs(batch_size, context, sampled)
+
+    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+        age = self._age.get(batch_size, 0)
+        current = self.current.get(batch_size)
+        if current is None or age >= self.every:
+            speeds = self.speeds(batch_size, context, sampled)
+            self._sampled = sampled
+            best = int(np.argmax(speeds))
+            if current is None or speeds[best] > speeds[current] * (1 + self.margin):
+                current = best
+            self.current[batch_size], age = current, 0
+        self._age[batch_size] = age + 1
+        return self.candidates.trees[current]
+
+    def record(
+        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+    ) -> None:
+        """Learn from a step: its time and each row's runs (B, W + G) of accepted
+        tokens per candidate (the drafter's beams first)."""
+        self.acceptance.fade()
+        width = tree.beam_width if tree.beam_length > 1 else 0
+        branches = runs[:, width : width + tree.lookup_branches]
+        self.acceptance.observe(
+            runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length
+        )
+        index = self._index.get(tree)
+        if index is not None:
+            predicted = float(self.calibrated(batch_size, context, self._sampled)[index])
+            # The step's host work and anything else the calibration did not see ...
+            gap = max(seconds - predicted, -0.5 * predicted)
+            self.overhead += 0.1 * (gap - self.overhead)
+            # ... and what this tree's steps cost beyond that.
+            ratio = min(max(seconds / (predicted + self.overhead), 0.5), 3.0)
+            self.factor[index] += 0.2 * (ratio - self.factor[index])

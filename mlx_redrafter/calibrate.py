@@ -1,0 +1,380 @@
+"""The cost of a step on this machine: how long the target takes to verify N packed
+tokens, and the drafter to draft, measured once per model and device and cached.
+
+Shapes: N packed tokens, T context, W beam width, L beam length.
+
+On an Apple GPU decoding is memory-bound: verifying 16-64 tokens costs little more
+than one, so wide trees pay. On a CPU, or with 4-bit weights that must be
+dequantized per token, the cost grows with N and small trees (or none) win. The
+auto tree (`auto.py`) reads this curve instead of assuming either.
+
+A calibration is keyed by the model's fingerprint (its parameter names, shapes,
+dtypes and a sample of its values), the drafter's, the device, the dtype and
+quantization, and the MLX version; a change to any of them measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .config import CacheConfig, SamplingConfig, TreeConfig
+from .drafter import Drafter
+from .files import match_umask
+from .target import TargetCache, context_length, output_logits, prepare_target, target_hidden
+from .tree import PackedTree, chain_tree
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # N: packed tokens per step
+CONTEXTS = (256, 1024)  # T: context bands; the cost between them is interpolated
+DRAFT_WIDTHS = (1, 2, 4, 8)  # W: beam widths the drafter's cost is measured at
+FORMAT = 2  # bump when the file's meaning changes: old files are measured again
+
+
+@dataclass(frozen=True)
+class CalibrationKey:
+    """What a calibration depends on; any change measures again."""
+
+    model: str
+    drafter: str
+    device: str
+    dtype: str
+    quantization: str
+    mlx: str
+    format: int = FORMAT
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps(asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured step costs (seconds) on one machine.
+
+    verify[t][i]: the target's forward over SIZES[i] packed tokens and the choice of
+        its tokens, after a context of contexts[t] tokens (batch of one).
+    draft_first[w], draft_level[w]: the drafter's beam search at width
+        draft_widths[w]: its first drafted token, and each one after it.
+    lookup: the lookup branches' search of the row's text, per step.
+    sample: the extra cost per packed token of sampling (temperature 1) over argmax.
+    """
+
+    key: CalibrationKey
+    sizes: tuple[int, ...]
+    contexts: tuple[int, ...]
+    verify: tuple[tuple[float, ...], ...]
+    draft_widths: tuple[int, ...] = ()
+    draft_first: tuple[float, ...] = ()
+    draft_level: tuple[float, ...] = ()
+    lookup: float = 0.0
+    sample: float = 0.0  # sampling one node's token instead of its argmax
+    seconds: float = 0.0  # how long the measurement took
+
+    def verify_seconds(self, num_packed: np.ndarray, context: int) -> np.ndarray:
+        """Verification cost of N packed tokens (any shape) at context length T,
+        interpolated linearly in N and in T (extrapolated past the measured range)."""
+        curves = [np.interp(num_packed, self.sizes, row) for row in self.verify]
+        curves += [_extrapolate(num_packed, self.sizes, row) for row in self.verify]
+        beyond = np.asarray(num_packed) > self.sizes[-1]
+        per_band = [
+            np.where(beyond, curves[len(self.verify) + t], curves[t])
+            for t in range(len(self.verify))
+        ]
+        if len(self.contexts) == 1:
+            return per_band[0]
+        low, high = self.contexts[0], self.contexts[-1]
+        weight = (context - low) / (high - low)  # linear in T: attention reads T keys
+        return np.maximum(per_band[0] + weight * (per_band[-1] - per_band[0]), 1e-6)
+
+    def draft_seconds(self, width: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """The drafter's beam search cost for W beams of L tokens (0 for W = 0 or L < 2)."""
+        if not self.draft_widths:
+            return np.zeros(np.shape(width))
+        first = np.interp(width, self.draft_widths, self.draft_first)
+        level = np.interp(width, self.draft_widths, self.draft_level)
+        cost = first + np.maximum(np.asarray(length) - 2, 0) * level
+        return np.where((np.asarray(width) > 0) & (np.asarray(length) > 1), cost, 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        fields = dict(data)
+        fields["key"] = CalibrationKey(**fields["key"])
+        fields["verify"] = tuple(tuple(row) for row in fields["verify"])
+        for name in ("sizes", "contexts", "draft_widths", "draft_first", "draft_level"):
+            fields[name] = tuple(fields[name])
+        return cls(**fields)
+
+
+def _extrapolate(x: np.ndarray, xs: Sequence[int], ys: Sequence[float]) -> np.ndarray:
+    """Linear through the last two points (cost keeps growing past the largest N)."""
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (np.asarray(x) - xs[-1])
+
+
+# -- what the calibration depends on -----------------------------------------------
+
+
+def fingerprint(module: nn.Module | None) -> str:
+    """A short hash of a module's parameter names, shapes, dtypes and a sample of values
+    ('none' for no module): the same weights give the same fingerprint."""
+    if module is None:
+        return "none"
+    digest = hashlib.sha256()
+    parameters = cast(list[tuple[str, mx.array]], tree_flatten(module.parameters()))
+    for name, value in sorted(parameters, key=lambda item: item[0]):
+        digest.update(f"{name}:{tuple(value.shape)}:{value.dtype};".encode())
+        sample = value.reshape(-1)[:16]
+        if sample.dtype in (mx.bfloat16, mx.float16):
+            sample = sample.astype(mx.float32)
+        digest.update(np.array(sample).tobytes())
+    return digest.hexdigest()[:20]
+
+
+def device_name() -> str:
+    """The device the default stream runs on, with its model name."""
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        info = mx.metal.device_info()
+        return f"gpu:{info.get('device_name', info.get('architecture', 'metal'))}"
+    processor = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                processor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{processor}:{os.cpu_count()} cores"
+
+
+def quantization(model: nn.Module) -> str:
+    """'none', or the bits and group size of the model's quantized layers."""
+    kinds = {
+        f"{module.bits}-bit/{module.group_size}"
+        for _, module in model.named_modules()
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
+    return ",".join(sorted(kinds)) or "none"
+
+
+def calibration_key(model: nn.Module, drafter: Drafter | None) -> CalibrationKey:
+    dtype = str(model.model.embed_tokens(mx.array([0])).dtype)
+    return CalibrationKey(
+        model=fingerprint(model),
+        drafter=fingerprint(drafter),
+        device=device_name(),
+        dtype=dtype,
+        quantization=quantization(model),
+        mlx=str(getattr(mx, "__version__", "unknown")),
+    )
+
+
+# -- measuring ---------------------------------------------------------------------
+
+
+def _time(run: Callable[[], Any], repeats: int) -> float:
+    """The fastest of `repeats` timed runs after one warm-up (seconds)."""
+    mx.eval(run())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(run())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _verify_curve(
+    model: nn.Module, context: int, sizes: Sequence[int], repeats: int
+) -> tuple[float, ...]:
+    """Seconds of a verification forward (logits and their argmax) over N tokens after
+    a context of `context` random tokens, for each N in `sizes`."""
+    vocab = int(model.model.embed_tokens.weight.shape[0])
+    cache = TargetCache(model, 1, CacheConfig())
+    prompt = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0)).astype(mx.int32)
+    for start in range(0, context, 512):
+        chunk = prompt[:, start : start + 512]  # (1, C)
+        mx.eval(target_hidden(model, cache, chain_tree(chunk), causal=True))
+        cache.commit([list(range(chunk.shape[1]))], [chunk.shape[1]])
+    seconds = []
+    for size in sizes:
+        tree = chain_tree(prompt[:, :size])  # (1, N): a tree's cost does not depend on its shape
+
+        def verify(tree: PackedTree = tree) -> mx.array:
+            logits = output_logits(model, target_hidden(model, cache, tree))  # (1, N, V)
+            return mx.argmax(logits, axis=-1)
+
+        seconds.append(_time(verify, repeats))
+    return tuple(seconds)
+
+
+def _draft_costs(
+    model: nn.Module, drafter: Drafter, repeats: int
+) -> tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
+    """Beam search seconds per width: the first drafted token and each further one."""
+    from .decode import step_functions  # decode imports the kernels; keep this light
+
+    widths = tuple(w for w in DRAFT_WIDTHS if w <= drafter.config.output_size)
+    hidden = mx.zeros((1, drafter.config.hidden_size), dtype=mx.float32)  # (1, D)
+    root = mx.zeros((1,), dtype=mx.int32)  # (1,)
+    first, level = [], []
+    for width in widths:
+        costs = []
+        for length in (2, 4):
+            steps = step_functions(model, drafter, TreeConfig(width, length))
+            draft = steps.draft
+            costs.append(_time(lambda: draft(hidden, root), repeats))  # noqa: B023
+        first.append(costs[0])
+        level.append(max(costs[1] - costs[0], 0.0) / 2)
+    return widths, tuple(first), tuple(level)
+
+
+def _lookup_cost(model: nn.Module, drafter: Drafter | None, context: int, repeats: int) -> float:
+    from .decode import step_functions
+
+    steps = step_functions(model, drafter, TreeConfig(0, 1, lookup_branches=2, lookup_length=8))
+    assert steps.lookup is not None
+    history = mx.random.randint(0, 64, (1, context), key=mx.random.key(1)).astype(mx.int32)
+    beams = mx.zeros((1, 1, 8), dtype=mx.int32)  # (B, W, L)
+    lengths = mx.array([context], dtype=mx.int32)
+    lookup = steps.lookup
+    return _time(lambda: lookup(beams, history, lengths), repeats)
+
+
+def _sample_cost(model: nn.Module, repeats: int, nodes: int = 16) -> float:
+    """Seconds per node of sampling a token (temperature 1) rather than taking the argmax."""
+    from .sampling import choose_tokens, position_keys
+
+    vocab = int(model.model.embed_tokens.weight.shape[0])
+    logits = mx.random.normal((1, nodes, vocab), key=mx.random.key(2))  # (1, N, V)
+    keys = position_keys(mx.random.key(3)[None], mx.arange(nodes, dtype=mx.int32)[None])
+    sampled = _time(lambda: choose_tokens(logits, SamplingConfig(1.0), keys), repeats)
+    greedy = _time(lambda: mx.argmax(logits, axis=-1), repeats)
+    return max(sampled - greedy, 0.0) / nodes
+
+
+def measure(
+    model: nn.Module,
+    drafter: Drafter | None = None,
+    *,
+    sizes: Sequence[int] = SIZES,
+    contexts: Sequence[int] = CONTEXTS,
+    repeats: int = 2,
+) -> Calibration:
+    """Measure the step costs of `model` (and `drafter`) on this device now."""
+    prepare_target(model)
+    started = time.perf_counter()
+    limit = context_length(model)
+    usable = max(sizes) + 8
+    bands = sorted({c if limit is None else max(1, min(c, limit - usable)) for c in contexts})
+    verify = tuple(_verify_curve(model, band, sizes, repeats) for band in bands)
+    widths, first, level = (
+        ((), (), ()) if drafter is None else _draft_costs(model, drafter, repeats)
+    )
+    lookup = _lookup_cost(model, drafter, bands[-1], repeats)
+    sample = _sample_cost(model, repeats)
+    return Calibration(
+        key=calibration_key(model, drafter),
+        sizes=tuple(sizes),
+        contexts=tuple(bands),
+        verify=verify,
+        draft_widths=widths,
+        draft_first=first,
+        draft_level=level,
+        lookup=lookup,
+        sample=sample,
+        seconds=time.perf_counter() - started,
+    )
+
+
+# -- the cache ---------------------------------------------------------------------
+
+
+def calibration_folder() -> Path:
+    from .defaults import cache_dir
+
+    return cache_dir() / "calibration"
+
+
+def cached_calibration(
+    model: nn.Module,
+    drafter: Drafter | None = None,
+    *,
+    folder: Path | None = None,
+    remeasure: bool = False,
+    announce: bool = False,
+) -> tuple[Calibration, bool]:
+    """The calibration of (model, drafter) on this device: read from the cache folder,
+    or measured now and stored there. Returns it and whether it was measured now.
+    announce: say on stderr when it measures (a pause of seconds)."""
+    folder = calibration_folder() if folder is None else Path(folder)
+    key = calibration_key(model, drafter)
+    path = folder / f"{key.digest}.json"
+    if not remeasure and path.is_file():
+        try:
+            stored = Calibration.from_dict(json.loads(path.read_text()))
+            if stored.key == key:
+                return stored, False
+        except (ValueError, TypeError, KeyError):
+            pass  # unreadable or from another format: measure again
+    if announce:
+        print(
+            f"mlx-redrafter: measuring the step cost of this model on {key.device} for the "
+            f"auto tree (once; cached in {folder})",
+            file=sys.stderr,
+        )
+    calibration = measure(model, drafter)
+    write_json(path, calibration.to_dict())
+    return calibration, True
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON to a temporary file beside `path`, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=1)
+        match_umask(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def format_calibration(calibration: Calibration) -> str:
+    """A table of the cost curve: N, then per context band the step time and its
+    ratio to one token."""
+    head = "     N" + "".join(f"   T={t:<5d} ms   x1" for t in calibration.contexts)
+    lines = [head]
+    for i, size in enumerate(calibration.sizes):
+        cells = "".join(
+            f"  {row[i] * 1e3:9.2f} {row[i] / row[0]:5.2f}" for row in calibration.verify
+        )
+        lines.append(f"{size:6d}{cells}")
+    for width, first, level in zip(
+        calibration.draft_widths, calibration.draft_first, calibration.draft_level
+    ):
+        lines.append(
+            f"drafter W={width}: {first * 1e3:.2f} ms for its first token, "
+            f"{level * 1e3:.2f} ms per further token"
+        )
+    lines.append(f"lookup branches: {calibration.lookup * 1e3:.2f} ms per step")
+    lines.append(f"sampling: {calibration.sample * 1e3:.3f} ms per packed token")
+    return "\n".join(lines)

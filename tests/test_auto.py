@@ -1,0 +1,318 @@
+"""The auto tree: the choice on synthetic cost curves and acceptance, the running
+estimate that switches speculation off and on, the calibration and its cache."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import mlx_lm_greedy
+
+from mlx_redrafter import DecodingSession, Request, StopConfig, TreeConfig
+from mlx_redrafter import calibrate as calibrate_module
+from mlx_redrafter.auto import (
+    DRAFTER_PRIOR,
+    LOOKUP_PRIOR,
+    AcceptanceEstimate,
+    AutoTree,
+    Candidates,
+    candidate_trees,
+    expected_tokens,
+    prior_cube,
+)
+from mlx_redrafter.calibrate import (
+    SIZES,
+    Calibration,
+    CalibrationKey,
+    cached_calibration,
+    format_calibration,
+)
+from mlx_redrafter.config import PLAIN_DECODING
+from mlx_redrafter.drafter import Drafter, DrafterError
+from mlx_redrafter.metrics import AcceptanceTable, survival
+from mlx_redrafter.training.evaluate import measure_acceptance
+
+KEY = CalibrationKey("m", "d", "cpu:test", "float32", "none", "0")
+
+
+def synthetic(cost_of_n, draft: float = 0.0) -> Calibration:
+    """A calibration whose verification of N tokens costs cost_of_n(N) seconds."""
+    row = tuple(float(cost_of_n(n)) for n in SIZES)
+    widths = (1, 2, 4, 8)
+    return Calibration(KEY, SIZES, (256,), (row,), widths, (draft,) * 4, (draft,) * 4, lookup=0.0)
+
+
+GOOD_DRAFTER = AcceptanceTable(
+    beams=tuple(tuple(0.9**d * (1 - 0.5**w) ** (1 / d) for d in range(1, 7)) for w in range(1, 9)),
+    lookup=((0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.04, 0.03, 0.02),),
+)
+
+
+def auto_tree(calibration: Calibration, prior=GOOD_DRAFTER, has_drafter=True) -> AutoTree:
+    return AutoTree(calibration, candidate_trees(has_drafter), prior)
+
+
+# -- the choice -----------------------------------------------------------------------
+
+
+def test_a_flat_cost_curve_chooses_a_wide_tree():
+    choice = auto_tree(synthetic(lambda n: 0.010)).choose(1)
+    assert choice.num_packed >= 32 and choice.beam_width >= 4
+
+
+def test_a_linear_cost_curve_chooses_plain_decoding():
+    # Verifying N tokens costs N times one: no tree can pay.
+    assert auto_tree(synthetic(lambda n: 0.010 * n)).choose(1) == PLAIN_DECODING
+
+
+def test_a_moderate_curve_chooses_a_small_tree_and_batches_shrink_it():
+    tree = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.05 * (n - 1)))).choose(1)
+    assert 1 < tree.num_packed < 64
+    # Eight rows verify 8 x N tokens: on a curve that grows past ~16 tokens, smaller.
+    bent = synthetic(lambda n: 0.010 * max(1.0, n / 16))
+    alone, batched = auto_tree(bent).choose(1), auto_tree(bent).choose(8)
+    assert batched.num_packed < alone.num_packed
+
+
+def test_without_a_drafter_the_candidates_are_lookup_trees_and_plain():
+    trees = candidate_trees(has_drafter=False).trees
+    assert PLAIN_DECODING in trees
+    assert all(t.beam_width == 0 for t in trees if t != PLAIN_DECODING)
+    choice = auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, has_drafter=False).choose(1)
+    assert choice.beam_width == 0 and choice.lookup_branches >= 1
+
+
+def test_expected_tokens_from_the_joint_acceptance():
+    trees = [PLAIN_DECODING, TreeConfig(1, 3), TreeConfig(1, 2, lookup_branches=1, lookup_length=3)]
+    candidates = Candidates.of(trees)
+    table = AcceptanceTable(beams=((0.5, 0.25),), lookup=((0.4, 0.2),))
+    independent = expected_tokens(candidates, prior_cube(table, 1, 1, 2))
+    # 1x2+1x3: depth 1 from either (1 - 0.5 * 0.6), depth 2 from the branch alone.
+    assert independent.tolist() == pytest.approx([1.0, 1.75, 1.0 + 0.7 + 0.2])
+    # Measured together, the union accepts less: the kinds often propose the same token.
+    joint = replace(table, joint=(((0, 0), (0.4, 0.2)), ((0.5, 0.25), (0.55, 0.3))))
+    assert expected_tokens(candidates, prior_cube(joint, 1, 1, 2)).tolist() == pytest.approx(
+        [1.0, 1.75, 1.0 + 0.55 + 0.2]
+    )
+
+
+# -- the running estimate ---------------------------------------------------------------
+
+
+def test_the_estimate_follows_what_it_observes():
+    table = AcceptanceTable(beams=((0.5, 0.25, 0.125),), lookup=((0.3, 0.1, 0.05),))
+    estimate = AcceptanceEstimate(prior_cube(table, 1, 1, 3))
+    none = np.zeros((4, 0), dtype=int)
+    for _ in range(50):
+        estimate.fade()
+        estimate.observe(np.full((4, 1), 3), none, 4, 1)  # every beam accepts all 3
+    assert estimate.survival()[1, 0] == pytest.approx([1, 1, 1], abs=0.02)
+    for _ in range(400):
+        estimate.fade()
+        estimate.observe(np.zeros((4, 1), dtype=int), np.zeros((4, 1), dtype=int), 4, 4)
+    cube = estimate.survival()
+    assert cube[1, 0, 0] < 0.05 and cube[0, 1, 0] < 0.05 and cube[1, 1, 0] < 0.05
+    assert cube[0, 0].tolist() == [0, 0, 0]
+
+
+def test_a_step_is_observed_only_as_deep_as_its_candidates_reach():
+    table = AcceptanceTable(beams=((0.5, 0.25, 0.125),), lookup=((0.3, 0.1, 0.05),))
+    estimate = AcceptanceEstimate(prior_cube(table, 1, 1, 3))
+    # A beam of 2 tokens (depth 1) and a branch of 4 tokens (depths 1-3).
+    estimate.observe(np.array([[1]]), np.array([[3]]), 2, 4)
+    assert estimate.reached[1, 0].tolist() == [1, 0, 0]  # the beam alone: depth 1
+    assert estimate.reached[0, 1].tolist() == [1, 1, 1]  # the branch alone: all three
+    assert estimate.reached[1, 1].tolist() == [1, 0, 0]  # together: as deep as both reach
+    assert estimate.passed[1, 1].tolist() == [1, 0, 0]
+
+
+def test_speculation_switches_off_where_nothing_is_accepted_and_is_retried():
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    first = auto.choose(1)
+    assert first != PLAIN_DECODING
+    chosen = []
+    for _ in range(600):
+        tree = auto.choose(1)
+        chosen.append(tree)
+        runs = np.zeros((1, tree.num_branches), dtype=int)
+        auto.record(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0)
+    late = chosen[200:]
+    plain = sum(tree == PLAIN_DECODING for tree in late) / len(late)
+    assert plain > 0.9  # off where it does not pay ...
+    assert plain < 1.0  # ... but tried again now and then
+
+
+def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.02 * (n - 1))))
+    slow = auto.choose(1)
+    assert slow != PLAIN_DECODING
+    index = auto._index[slow]
+    for _ in range(40):
+        tree = auto.choose(1)
+        runs = np.full((1, tree.num_branches), tree.depth - 1)  # everything accepted
+        seconds = float(auto.calibrated(1, 0)[auto._index[tree]])
+        auto.record(tree, 1, 3 * seconds if tree == slow else seconds, runs, 0)
+    assert auto.factor[index] > 1.5 and auto.choose(1) != slow
+
+
+def test_measured_step_times_beyond_the_curve_count_as_overhead():
+    auto = auto_tree(synthetic(lambda n: 0.010))
+    tree = auto.choose(1)
+    for _ in range(100):
+        auto.record(tree, 1, 0.030, np.zeros((1, tree.num_branches), dtype=int), 0)
+    assert auto.overhead == pytest.approx(0.020, rel=0.05)
+
+
+# -- sessions ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def calibration_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "calibration"
+    monkeypatch.setattr(calibrate_module, "calibration_folder", lambda: folder)
+    return folder
+
+
+def test_the_default_session_without_a_drafter_speculates_with_lookup(
+    trained_llama, calibration_folder
+):
+    model, _, prompts = trained_llama
+    session = DecodingSession(model, None)
+    assert session.speculates and "lookup" in session.describe()
+    # A prompt that repeats itself: the lookup branches copy it, losslessly.
+    prompt = (prompts[0] * 6)[:40]
+    updates = list(session.run([Request(prompt, stop=StopConfig(40))]))
+    assert [t for u in updates for t in u.tokens] == mlx_lm_greedy(model, prompt, 40)
+    assert any(u.tree.lookup_branches for u in updates)
+
+
+def test_the_auto_tree_is_lossless_with_a_drafter(trained_llama, calibration_folder):
+    model, drafter, prompts = trained_llama
+    session = DecodingSession(model, drafter, tree="auto")
+    for prompt in prompts[:4]:
+        tokens = [t for u in session.run([Request(prompt, stop=StopConfig(30))]) for t in u.tokens]
+        assert tokens == mlx_lm_greedy(model, prompt, 30)
+
+
+# -- calibration -------------------------------------------------------------------------
+
+
+def test_calibration_is_cached_and_measured_again_when_a_key_changes(
+    trained_llama, calibration_folder, monkeypatch
+):
+    model, drafter, _ = trained_llama
+    first, measured = cached_calibration(model, drafter)
+    assert measured and len(first.verify[0]) == len(SIZES)
+    assert all(seconds > 0 for row in first.verify for seconds in row)
+    assert "drafter W=1" in format_calibration(first)
+    again, measured = cached_calibration(model, drafter)
+    assert not measured and again == first
+    # Another device, another MLX version, no drafter: each measures again.
+    monkeypatch.setattr(calibrate_module, "device_name", lambda: "gpu:Apple M9")
+    _, measured = cached_calibration(model, drafter)
+    assert measured
+    monkeypatch.setattr(calibrate_module.mx, "__version__", "99.0", raising=False)
+    _, measured = cached_calibration(model, drafter)
+    assert measured
+    _, measured = cached_calibration(model, None)
+    assert measured
+    assert len(list(calibration_folder.glob("*.json"))) == 4
+
+
+def test_new_weights_or_a_broken_file_measure_again(calibration_folder):
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    first, _ = cached_calibration(model)
+    model.update({"model": {"embed_tokens": {"weight": model.model.embed_tokens.weight + 1}}})
+    second, measured = cached_calibration(model)
+    assert measured and second.key.model != first.key.model
+    path = calibration_folder / f"{second.key.digest}.json"
+    path.write_text("{ not json")
+    _, measured = cached_calibration(model)
+    assert measured and json.loads(path.read_text())["key"] == second.to_dict()["key"]
+
+
+def test_interpolation_and_extrapolation_of_the_curve():
+    calibration = Calibration(KEY, (1, 2, 4), (100, 300), ((1.0, 2.0, 4.0), (3.0, 4.0, 6.0)))
+    assert calibration.verify_seconds(np.array([3]), 100).tolist() == [3.0]
+    assert calibration.verify_seconds(np.array([8]), 100).tolist() == [8.0]  # past N=4
+    assert calibration.verify_seconds(np.array([1]), 200).tolist() == [2.0]  # between bands
+
+
+# -- acceptance tables ---------------------------------------------------------------------
+
+
+def test_survival_of_runs():
+    runs = [[0, 2], [1, 0], [3, 3]]
+    assert survival(runs, 3) == (
+        (2 / 3, 1 / 3, 1 / 3),  # the first candidate alone
+        (1.0, 2 / 3, 1 / 3),  # the best of both
+    )
+
+
+def test_a_drafter_keeps_its_acceptance_table(trained_llama, tmp_path):
+    _, drafter, _ = trained_llama
+    table = AcceptanceTable(beams=((0.5, 0.2),), lookup=((0.3,),), steps=10, source="test")
+    drafter.acceptance = table
+    try:
+        drafter.save(tmp_path / "d")
+    finally:
+        drafter.acceptance = None
+    assert Drafter.load(tmp_path / "d").acceptance == table
+    (tmp_path / "d" / "acceptance.json").write_text('{"beams": [[1.5]]}')
+    with pytest.raises(DrafterError, match="not a valid acceptance table"):
+        Drafter.load(tmp_path / "d")
+
+
+def test_measured_acceptance_decays_with_depth_and_grows_with_width(trained_llama):
+    model, drafter, prompts = trained_llama
+    table = measure_acceptance(
+        model, drafter, prompts[:6], tree=TreeConfig(3, 4, lookup_branches=2), max_tokens=24
+    )
+    assert table.steps > 0 and len(table.beams) == 3 and len(table.lookup) == 2
+    assert len(table.joint) == 4 and len(table.joint[0]) == 3  # k = 0..3, g = 0..2
+    assert table.joint[1][0] == table.beams[0][:3] and table.joint[0][2] == table.lookup[1][:3]
+    assert all(u >= b for u, b in zip(table.joint[3][2], table.beams[2]))
+    for rows in (table.beams, table.lookup):
+        for row in rows:
+            assert list(row) == sorted(row, reverse=True)
+        for narrow, wide in zip(rows, rows[1:]):
+            assert all(w >= n for n, w in zip(narrow, wide))
+    assert table.beams[0][0] > 0.3  # the trained drafter is often right
+
+
+def test_the_shipped_priors_are_valid_tables():
+    for prior in (LOOKUP_PRIOR, DRAFTER_PRIOR):
+        assert AcceptanceTable.from_dict(prior.to_dict()) == prior
+        for row in prior.beams + prior.lookup:
+            assert list(row) == sorted(row, reverse=True)
+
+
+def test_runs_of_the_acceptance_walk():
+    from mlx_redrafter.accept import accept
+    from mlx_redrafter.tree import pack_tree
+
+    beams = mx.array([[[5, 1, 2, 3], [5, 1, 4, 0], [5, 7, 7, 7]]])  # (1, 3, 4)
+    tree = pack_tree(beams, 1 + 3 * 3)
+    # The target continues 5 -> 1 -> 2 -> 9: beam 0 runs 2, beam 1 runs 1, beam 2 none.
+    next_token = {(5,): 1, (5, 1): 2, (5, 1, 2): 9}
+    choices = []
+    for n in range(tree.tokens.shape[1]):
+        depth = int(tree.depths[0, n])
+        path = _prefix(beams, tree, n, depth)
+        choices.append(next_token.get(path, 0))
+    result = accept(beams, tree.unpack, tree.canonical, mx.array([choices]))
+    assert result.runs.tolist() == [[2, 1, 0]] and result.num_accepted.tolist() == [2]
+
+
+def _prefix(beams, tree, node, depth):
+    """The tokens from the root to packed node `node` (found through unpack)."""
+    unpack = np.array(tree.unpack[0])
+    for w in range(unpack.shape[0]):
+        if unpack[w, depth] == node:
+            return tuple(int(t) for t in np.array(beams[0, w, : depth + 1]))
+    return None  # padding
