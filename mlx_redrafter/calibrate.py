@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -34,7 +33,7 @@ from mlx.utils import tree_flatten
 
 from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
-from .files import match_umask
+from .files import write_json
 from .target import TargetCache, context_length, output_logits, prepare_target, target_hidden
 from .tree import PackedTree, chain_tree
 
@@ -342,20 +341,6 @@ def cached_calibration(
     calibration = measure(model, drafter)
     write_json(path, calibration.to_dict())
     return calibration, True
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON to a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(data, out, indent=1)
-        match_umask(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def format_calibration(calibration: Calibration) -> str:

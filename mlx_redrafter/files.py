@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def fsync_path(path: Path) -> None:
@@ -27,3 +30,19 @@ def match_umask(path: str | os.PathLike[str]) -> None:
     os.umask(umask)
     base = 0o777 if os.path.isdir(path) else 0o666
     os.chmod(path, base & ~umask)
+
+
+def write_json(path: str | os.PathLike[str], data: Any, indent: int = 1) -> None:
+    """Write `data` as JSON to a temporary file beside `path` (creating the folder),
+    then rename it into place: readers see the old file or the new one, never half."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(data, indent=indent) + "\n")
+        match_umask(temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

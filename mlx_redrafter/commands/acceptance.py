@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..calibrate import write_json
 from ..drafter import ACCEPTANCE_FILE
+from ..files import write_json
 from ..prompts import encode_prompt, read_prompts
 from ..training.evaluate import ACCEPTANCE_TREE, measure_acceptance
 from .common import load_from_args, parse_tree

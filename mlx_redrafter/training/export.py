@@ -3,14 +3,13 @@ table of its training replies for lookup branches, and JSON reports."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from .. import files
 from ..drafter import Drafter
 from ..ngrams import NgramTable, build_ngram_table, save_ngram_table
 from .data import training_replies
@@ -52,7 +51,5 @@ def save_ngrams(
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write `data` as indented JSON, creating the folder."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(data, indent=2) + "\n")
+    """Write `data` as indented JSON, atomically, creating the folder."""
+    files.write_json(path, data, indent=2)
