@@ -29,6 +29,10 @@ _MAIN_EPILOG = textwrap.dedent(
       # a ReDrafter drafter checkpoint, 4-bit quantized
       mlx-redrafter-convert drafter ./drafter-ckpt -o drafters/mine --quantize
 
+      # the shipped drafter, exported for Apple's reference code
+      mlx-redrafter-convert drafter mlx_redrafter/drafters/smollm2-135m-instruct \
+          -o exported/reference --to reference
+
     run 'mlx-redrafter-convert model --help' (or 'drafter --help') for the options.
     """
 )
@@ -56,17 +60,42 @@ _MODEL_EPILOG = textwrap.dedent(
 
 _DRAFTER_EPILOG = textwrap.dedent(
     """\
-    SRC is a drafter folder: one saved by the reference PyTorch ReDrafter
-    (config.json with model_type "recurrent_drafting_drafter", and
-    model.safetensors or pytorch_model.bin) or one written by mlx-redrafter.
-    The output is the project's drafter folder (config.json + model.safetensors
-    with the reference parameter names), checked by loading it.
+    SRC is a drafter folder in any of the three layouts (detected from its
+    config.json): mlx-redrafter's own, the reference's (Apple's
+    recurrent_drafting: model_type "recurrent_drafting_drafter" with
+    model.safetensors or pytorch_model.bin), or TensorRT-LLM's (architecture
+    "ReDrafterForCausalLM", drafter.* tensors in rank*.safetensors).  Only the
+    weights file is read as weights: ngrams.safetensors and other files beside it
+    are not.
+
+    --to mlx-redrafter (default) writes the project's drafter folder, checked by
+    loading it.  --to reference / tensorrt-llm write float weights in that layout;
+    a reduced draft vocabulary becomes an exact full-vocabulary head, and the
+    converter prints how the exported drafter agrees with the original (top-W
+    drafts on sampled target states, and whole W x L beam searches); it refuses
+    when they differ.  The states come from --model (default: the embedded model
+    for the drafter shipped with it; otherwise random states) run on --prompts
+    (default: the packaged MT-Bench).  docs/convert.md documents the layouts.
 
     examples:
       mlx-redrafter-convert drafter ./drafter-ckpt -o drafters/smollm2
       mlx-redrafter-convert drafter ./drafter-ckpt -o drafters/smollm2-q4 --quantize
+      mlx-redrafter-convert drafter drafters/mine -o out/ref --to reference --model models/mine
+      mlx-redrafter-convert drafter drafters/mine -o out/trt --to tensorrt-llm --tp-size 2 \\
+          --dtype float16
+      mlx-redrafter-convert drafter out/ref -o drafters/back   # and back
     """
 )
+
+
+def _beam_shape(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected WxL such as 8x5, not {text!r}")
+    width, length = int(parts[0]), int(parts[1])
+    if length < 2:
+        raise argparse.ArgumentTypeError(f"a beam needs length >= 2, not {length}")
+    return width, length
 
 
 def _positive_int(text: str) -> int:
@@ -127,6 +156,37 @@ def _add_weight_options(
     )
 
 
+def _add_export_options(parser: argparse.ArgumentParser) -> None:
+    """The agreement check and TensorRT-LLM shape of --to reference / tensorrt-llm."""
+    parser.add_argument(
+        "--model", metavar="MODEL", help="target model whose hidden states the check samples"
+    )
+    parser.add_argument(
+        "--prompts", metavar="FILE", help="prompt file for the check (default: MT-Bench)"
+    )
+    parser.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="target positions sampled by the check, 2 states each (default: 1000)",
+    )
+    parser.add_argument(
+        "--beams",
+        type=_beam_shape,
+        default=(8, 5),
+        metavar="WxL",
+        help="beam search compared by the check, and TensorRT-LLM's beam shape (default: 8x5)",
+    )
+    parser.add_argument(
+        "--tp-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks of a TensorRT-LLM export (default: 1)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlx-redrafter-convert",
@@ -155,19 +215,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     drafter = sub.add_parser(
         "drafter",
-        help="convert a ReDrafter drafter to the project's drafter folder",
-        description="Convert a ReDrafter drafter checkpoint to the project's drafter folder.",
+        help="convert a ReDrafter drafter between mlx-redrafter, reference and TensorRT-LLM",
+        description="Convert a ReDrafter drafter between the mlx-redrafter, reference and "
+        "TensorRT-LLM layouts.",
         epilog=_DRAFTER_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    drafter.add_argument("src", metavar="SRC", help="drafter folder (reference or mlx-redrafter)")
+    drafter.add_argument(
+        "src", metavar="SRC", help="drafter folder (mlx-redrafter, reference or tensorrt-llm)"
+    )
     _add_common(drafter)
     drafter.add_argument(
         "--to",
-        choices=("reference",),
-        default="reference",
-        help="output format (default: reference)",
+        choices=("mlx-redrafter", "reference", "tensorrt-llm"),
+        default="mlx-redrafter",
+        help="output layout (default: mlx-redrafter)",
     )
+    _add_export_options(drafter)
     _add_weight_options(
         drafter, quantize_help="quantize the drafter's linear layers", dtype_default="as stored"
     )
@@ -189,12 +253,20 @@ def _run(args: argparse.Namespace) -> None:
             progress=not args.quiet,
         )
     elif args.command == "drafter":
-        from .drafter import convert_drafter
+        from .drafter import ExportCheck, convert_drafter
 
+        check = ExportCheck(
+            model=args.model,
+            prompts=args.prompts,
+            samples=args.samples,
+            beams=args.beams,
+            tp_size=args.tp_size,
+        )
         convert_drafter(
             args.src,
             args.out,
             to=args.to,
+            check=check,
             quantize=args.quantize,
             bits=args.bits,
             group_size=args.group_size,

@@ -1,170 +1,263 @@
-"""ReDrafter drafter checkpoints -> the project's drafter folder.
+"""Drafters in and out: this project's folder, the reference's, TensorRT-LLM's.
 
-Accepted sources:
+Any of the three layouts (`drafter_formats`) converts into any other:
 
-* a drafter saved by the reference PyTorch implementation
-  (``transformers`` ``save_pretrained``: ``config.json`` with ``model_type:
-  recurrent_drafting_drafter`` plus Hugging Face fields, and
-  ``model.safetensors`` or ``pytorch_model.bin``, any float dtype);
-* a drafter folder written by :meth:`mlx_redrafter.drafter.Drafter.save`
-  (to re-save it, quantized or in another dtype).
+* into **mlx-redrafter** (the default): a drafter folder that `Drafter.load` opens,
+  optionally quantized or in another dtype. A folder this converter exported
+  with a reduced vocabulary comes back exactly (`reduce_vocabulary`).
+* into **reference** or **tensorrt-llm**: float weights in that layout; a reduced
+  vocabulary becomes a full-vocabulary head (`expand_vocabulary`). The n-gram
+  table, acceptance table and draft-vocabulary order ride along in the export's
+  `mlx_redrafter/` side folder (no loader of those formats reads it). The
+  converter then compares the exported drafter with the original on sampled
+  target states (`agreement`), prints the agreement, and refuses to publish an
+  export whose drafts differ.
 
-The parameter names are the same in both (``input_proj``, ``lm_head.{i}.linear``,
-``lm_head.{n}``, ``rnn_u``, ``rnn_w``, out x in); a uniform ``drafter.`` prefix
-(a drafter saved as part of a larger module) is dropped.  The result is loaded
-through ``Drafter.load`` — which checks every name and shape against the
-config — before it is written, so a folder that comes out loads.
+Every read is checked by loading the result through `Drafter.load`, and every
+output is written to a work folder first and renamed into place.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_redrafter.drafter import Drafter, DrafterConfig, DrafterError
+
+from .agreement import Agreement, States, compare, model_states, random_states
+from .drafter_formats import (
+    FORMATS,
+    SIDE_FILES,
+    Checkpoint,
+    expand_vocabulary,
+    read_checkpoint,
+    reduce_vocabulary,
+    write_reference,
+    write_tensorrt,
+)
 from .errors import ConversionError
 from .output import check_destination, publish, work_directory
 from .progress import note
 
-FORMATS = ("reference",)
-_CONFIG_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "exit_dim",
-    "num_draft_layers",
-    "rnn",
-    "draft_vocab_size",
-)
-_PREFIXES = ("drafter.", "model.drafter.")
+DTYPES = ("float16", "bfloat16", "float32")
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{folder} has no config.json; not a drafter folder")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConversionError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ConversionError(f"{path} does not hold a JSON object")
-    model_type = config.get("model_type")
-    if model_type != "recurrent_drafting_drafter":
+@dataclass(frozen=True)
+class ExportCheck:
+    """How an export into the reference or TensorRT-LLM layout is checked and shaped.
+
+    model: the target whose hidden states are sampled (a folder or Hub id); None uses
+        the embedded default model for the drafter shipped with it, else random states.
+    prompts: a prompt file (JSONL); None is the packaged MT-Bench.
+    samples: target positions sampled (each gives 2 states: depth 1 and 2).
+    beams: (W, L) of the beam searches compared, and of the TensorRT-LLM config.
+    beam_rows: how many sampled positions also run the full beam search.
+    tp_size: tensor-parallel ranks of a TensorRT-LLM export.
+    """
+
+    model: str | None = None
+    prompts: str | None = None
+    samples: int = 1000
+    beams: tuple[int, int] = (8, 5)
+    beam_rows: int = 64
+    tp_size: int = 1
+    seed: int = 0
+
+
+def _check_options(to: str, quantize: bool, bits: int, group_size: int, dtype: str | None) -> None:
+    if to not in FORMATS:
+        raise ConversionError(f"unknown drafter format {to!r}; supported: {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"dtype must be float16, bfloat16 or float32, not {dtype!r}")
+    if quantize and to != "mlx-redrafter":
         raise ConversionError(
-            f"{path} has model_type {model_type!r}, expected 'recurrent_drafting_drafter'"
+            f"the {to} format holds float weights: drop --quantize (quantize after importing)"
         )
-    return config
+    if quantize and bits not in (4, 8):
+        raise ConversionError(f"--bits must be 4 or 8, not {bits}")
+    if quantize and group_size not in (32, 64, 128):
+        raise ConversionError(f"--group-size must be 32, 64 or 128, not {group_size}")
 
 
-def _read_weights(folder: Path) -> dict[str, Any]:
-    import mlx.core as mx
-
-    files = sorted(folder.glob("*.safetensors"))
-    weights: dict[str, Any] = {}
-    if files:
-        for path in files:
-            try:
-                loaded = mx.load(str(path))
-            except Exception as exc:
-                raise ConversionError(f"cannot read {path} (corrupt?): {exc}") from exc
-            if not isinstance(loaded, dict):
-                raise ConversionError(f"{path} does not hold named tensors")
-            weights.update(loaded)
-    elif (folder / "pytorch_model.bin").is_file():
-        weights = _read_torch_pickle(folder / "pytorch_model.bin")
-    else:
-        raise ConversionError(f"{folder} has no model.safetensors or pytorch_model.bin")
-    for prefix in _PREFIXES:
-        if weights and all(name.startswith(prefix) for name in weights):
-            weights = {name[len(prefix) :]: value for name, value in weights.items()}
-    return weights
+def _source_folder(src: str | os.PathLike[str]) -> Path:
+    source = Path(src).expanduser()
+    if not source.exists():
+        raise ConversionError(f"no such file or directory: {source}")
+    if not source.is_dir():
+        raise ConversionError(f"{source} is not a drafter folder")
+    return source
 
 
-def _read_torch_pickle(path: Path) -> dict[str, Any]:
-    import mlx.core as mx
+def _import(source: Path, dtype: str | None, progress: bool) -> Checkpoint:
+    """Read `source` in any format; undo an expanded vocabulary; cast to `dtype`."""
+    checkpoint = read_checkpoint(source)
+    if checkpoint.export is not None:
+        try:
+            checkpoint = reduce_vocabulary(checkpoint)
+            note("[drafter] restored the reduced draft vocabulary of an export", enabled=progress)
+        except (ConversionError, KeyError, ValueError) as exc:
+            note(f"[drafter] kept the full vocabulary: {exc}", enabled=progress)
+    if dtype is not None:
+        target = getattr(mx, dtype)
+        weights = {
+            k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in checkpoint.weights.items()
+        }
+        checkpoint = Checkpoint(checkpoint.config, weights, checkpoint.side, checkpoint.export)
+    return checkpoint
 
+
+def _stage(checkpoint: Checkpoint, folder: Path, source: Path) -> Drafter:
+    """Write `checkpoint` as a project folder and load it: every name and shape checked."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(checkpoint.config, indent=2))
+    mx.save_safetensors(str(folder / "model.safetensors"), checkpoint.weights, {"format": "mlx"})
+    for name in SIDE_FILES:
+        if checkpoint.side is not None and (checkpoint.side / name).is_file():
+            shutil.copyfile(checkpoint.side / name, folder / name)
     try:
-        import torch
-    except ImportError as exc:
+        return Drafter.load(folder)
+    except (DrafterError, ValueError, KeyError) as exc:
+        message = str(exc).replace(str(folder / "model.safetensors"), "the weights")
+        raise ConversionError(f"{source}: {message.replace(str(folder), str(source))}") from exc
+
+
+def float_checkpoint(drafter: Drafter, dtype: Any, side: Path | None) -> Checkpoint:
+    """The drafter's weights in the reference naming, dequantized, as `dtype`."""
+    weights = dict(tree_flatten(drafter.parameters()))
+    for name, module in drafter.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            for part in ("weight", "scales", "biases"):
+                weights.pop(f"{name}.{part}", None)
+            weights[f"{name}.weight"] = mx.dequantize(
+                module.weight, module.scales, module.biases, module.group_size, module.bits
+            )
+    out = {k: (v if k == "draft_vocab_ids" else v.astype(dtype)) for k, v in weights.items()}
+    return Checkpoint(drafter.config.to_dict(), out, side)
+
+
+def exported_drafter(checkpoint: Checkpoint) -> Drafter:
+    """A full-vocabulary `Drafter` on an exported checkpoint's weights (float32)."""
+    config = DrafterConfig.from_dict(checkpoint.config)
+    drafter = Drafter(config)
+    drafter.load_weights(
+        [
+            (k, v if k == "draft_vocab_ids" else v.astype(mx.float32))
+            for k, v in checkpoint.weights.items()
+        ]
+    )
+    mx.eval(drafter.parameters())
+    return drafter
+
+
+def sample_states(check: ExportCheck, drafter: Drafter, source: Path) -> States:
+    """Target states for the agreement check: from a model when one is known."""
+    from mlx_redrafter.loading import DEFAULT_DRAFTER
+
+    model_name = check.model
+    if model_name is None and source.resolve() == DEFAULT_DRAFTER.resolve():
+        from mlx_redrafter.defaults import default_model_path
+
+        model_name = str(default_model_path(progress=False))
+    if model_name is None:
+        config = drafter.config
+        return random_states(config.hidden_size, config.vocab_size, check.samples, check.seed)
+    from mlx_lm.utils import load as load_mlx_lm
+
+    from mlx_redrafter.prompts import MT_BENCH, encode_prompt, read_prompts
+
+    model, tokenizer = load_mlx_lm(model_name)[:2]
+    try:
+        drafter.check_fits(model)
+    except ValueError as exc:
+        raise ConversionError(f"{source} was not made for {model_name}: {exc}") from exc
+    prompt_file = check.prompts or MT_BENCH
+    try:
+        records = read_prompts(prompt_file, warn=lambda _: None)
+    except (OSError, ValueError) as exc:
+        raise ConversionError(f"cannot read prompts: {exc}") from exc
+    tokens = [encode_prompt(tokenizer, record.messages) for record in records]
+    name = Path(prompt_file).name
+    return model_states(model, tokens, check.samples, check.seed, f"{name} through {model_name}")
+
+
+def export_to(
+    to: str,
+    drafter: Drafter,
+    dtype: Any,
+    staged: Path,
+    result: Path,
+    check: ExportCheck,
+    source: Path,
+) -> Agreement:
+    """Write `drafter` in the reference or TensorRT-LLM layout to `result`, after
+    checking that the exported weights draft exactly as the drafter does."""
+    original = float_checkpoint(drafter, dtype, staged)
+    expanded = expand_vocabulary(original, multiple=8 * check.tp_size)
+    before = exported_drafter(original)  # the same float weights, before the expansion
+    states = sample_states(check, before, source)
+    agreement = compare(
+        before,
+        exported_drafter(expanded),
+        states,
+        check.beams[0],
+        check.beams,
+        min(check.beam_rows, check.samples),
+    )
+    if not agreement.exact:
         raise ConversionError(
-            f"{path} is a PyTorch pickle and reading it needs torch (pip install torch), "
-            "or re-save the drafter as safetensors"
-        ) from exc
-    try:
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConversionError(f"cannot read {path} (corrupt?): {exc}") from exc
-    out = {}
-    for name, tensor in state.items():
-        if tensor.dtype == torch.bfloat16:
-            out[name] = mx.array(tensor.float().numpy()).astype(mx.bfloat16)
-        else:
-            out[name] = mx.array(tensor.numpy())
-    return out
+            f"the exported head does not draft like the original ({agreement.summary()}); "
+            "nothing was written. Train the drafter with its full vocabulary to export it"
+        )
+    if to == "reference":
+        write_reference(expanded, result)
+    else:
+        write_tensorrt(expanded, result, check.tp_size, check.beams)
+    return agreement
 
 
 def convert_drafter(
-    src: str | Path,
-    out: str | Path,
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
     *,
-    to: str = "reference",
+    to: str = "mlx-redrafter",
     quantize: bool = False,
     bits: int = 4,
     group_size: int = 64,
     dtype: str | None = None,
     force: bool = False,
     progress: bool = True,
+    check: ExportCheck | None = None,
 ) -> Path:
-    """Convert the drafter at ``src`` into the drafter folder ``out``."""
-    import mlx.core as mx
-
-    try:
-        from mlx_redrafter.drafter import Drafter, DrafterError
-    except ImportError as exc:  # pragma: no cover - same distribution
-        raise ConversionError(f"mlx_redrafter.drafter is not importable: {exc}") from exc
-
-    if to not in FORMATS:
-        raise ConversionError(f"unknown drafter format {to!r}; supported: {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in ("float16", "bfloat16", "float32"):
-        raise ConversionError(f"dtype must be float16, bfloat16 or float32, not {dtype!r}")
-    if quantize and bits not in (4, 8):
-        raise ConversionError(f"--bits must be 4 or 8, not {bits}")
-    if quantize and group_size not in (32, 64, 128):
-        raise ConversionError(f"--group-size must be 32, 64 or 128, not {group_size}")
-    source = Path(src).expanduser()
-    if not source.exists():
-        raise ConversionError(f"no such file or directory: {source}")
-    if not source.is_dir():
-        raise ConversionError(f"{source} is not a drafter folder")
+    """Convert the drafter folder `src` (any of FORMATS) into `out` in format `to`."""
+    _check_options(to, quantize, bits, group_size, dtype)
+    source = _source_folder(src)
     out = Path(out).expanduser()
     check_destination(out, force=force)
-
-    config = _read_config(source)
-    weights = _read_weights(source)
-    if dtype is not None:
-        target = getattr(mx, dtype)
-        weights = {
-            k: (v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v)
-            for k, v in weights.items()
-        }
-    clean = {k: config[k] for k in _CONFIG_KEYS if config.get(k) is not None}
+    checkpoint = _import(source, dtype, progress)
+    floats = [v.dtype for v in checkpoint.weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     with work_directory(out) as work:
-        staged = work / "source"
-        staged.mkdir()
-        (staged / "config.json").write_text(json.dumps(clean, indent=2))
-        mx.save_safetensors(str(staged / "model.safetensors"), weights, {"format": "mlx"})
-        try:
-            drafter = Drafter.load(staged)
-        except (DrafterError, ValueError, KeyError) as exc:
-            message = str(exc).replace(str(staged / "model.safetensors"), "the weights")
-            message = message.replace(str(staged), str(source))
-            raise ConversionError(f"{source}: {message}") from exc
-        if quantize:
-            note(f"[drafter] quantizing to {bits} bits, group size {group_size}", enabled=progress)
-            drafter.quantize(group_size=group_size, bits=bits)
+        drafter = _stage(checkpoint, work / "source", source)
         result = work / "result"
-        drafter.save(result)
+        if to == "mlx-redrafter":
+            if quantize:
+                note(f"[drafter] quantizing: {bits} bits, groups of {group_size}", enabled=progress)
+                drafter.quantize(group_size=group_size, bits=bits)
+            drafter.save(result)
+        else:
+            export_dtype = getattr(mx, dtype) if dtype else floats[0]
+            agreement = export_to(
+                to, drafter, export_dtype, work / "source", result, check or ExportCheck(), source
+            )
+            note(f"[agreement] {agreement.summary()}", enabled=progress)
         publish(result, out, force=force, trash=work / "previous")
     note(f"[done] wrote {out}", enabled=progress)
     return out

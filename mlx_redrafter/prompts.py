@@ -9,6 +9,7 @@ A prompt file is JSONL, one record per line: `{"prompt": ...}`, ShareGPT-style
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -16,9 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("MLX_REDRAFTER_DATA", REPO_ROOT.parent / "shared" / "data"))
-MT_BENCH = SHARED_DATA / "eval" / "mt_bench.jsonl"
+PACKAGED_DATA = Path(__file__).parent / "data"
+# MT-Bench (Apache-2.0, attribution in data/README.md) ships compressed in the package;
+# MLX_REDRAFTER_DATA=DIR reads DIR/eval/mt_bench.jsonl instead.
+MT_BENCH = (
+    Path(os.environ["MLX_REDRAFTER_DATA"]) / "eval" / "mt_bench.jsonl"
+    if os.environ.get("MLX_REDRAFTER_DATA")
+    else PACKAGED_DATA / "mt_bench.jsonl.gz"
+)
 
 
 class PromptRecord(NamedTuple):
@@ -67,14 +73,16 @@ def read_prompts(
     strict: bool = False,
     warn: Callable[[str], None] | None = None,
 ) -> list[PromptRecord]:
-    """Prompt records from a JSONL file; bad lines are reported and skipped (or raise)."""
+    """Prompt records from a JSONL file (or .jsonl.gz); bad lines are reported and
+    skipped (or raise)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"no prompts file at {file}")
     warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
     records: list[PromptRecord] = []
     seen: set[str] = set()
-    with open(file, encoding="utf-8") as f:
+    opener = gzip.open if file.suffix == ".gz" else open
+    with opener(file, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             try:
                 if not line.strip():

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("MLX_REDRAFTER_DATA", REPO.parent / "shared" / "data"))
-MT_BENCH = DATA / "eval" / "mt_bench.jsonl"
+from mlx_redrafter.prompts import MT_BENCH, read_prompts
 
 
 def mt_bench_first_turns(limit: int) -> list[str]:
-    if not MT_BENCH.is_file():
-        pytest.skip(f"MT-Bench not found at {MT_BENCH} (set MLX_REDRAFTER_DATA)")
-    with MT_BENCH.open() as lines:
-        questions = [json.loads(line)["turns"][0] for line in lines if line.strip()]
-    return questions[:limit]
+    """The first turns of the packaged MT-Bench (or MLX_REDRAFTER_DATA's copy)."""
+    return [record.messages[-1]["content"] for record in read_prompts(MT_BENCH)][:limit]
 
 
 def smollm2_path() -> Path:

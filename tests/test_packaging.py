@@ -83,3 +83,22 @@ def test_the_installed_package_imports_and_its_commands_run(
         code = f"import sys; from {command} import main; sys.exit(main({argv!r}))"
         shown = run_isolated(target, code, tmp_path)
         assert shown.returncode == 0 and "usage:" in shown.stdout, (command, shown.stderr)
+
+
+def test_the_installed_package_carries_mt_bench(
+    installed: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """bench and the export check read MT-Bench from the package, not from ../shared."""
+    wheel, target = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"mlx_redrafter/data/mt_bench.jsonl.gz", "mlx_redrafter/data/README.md"} <= set(names)
+    code = (
+        "from collections import Counter\n"
+        "from mlx_redrafter.prompts import MT_BENCH, read_prompts\n"
+        f"assert str(MT_BENCH).startswith({str(target)!r}), MT_BENCH\n"
+        "records = read_prompts(MT_BENCH)\n"
+        "print(len(records), sorted(Counter(r.source for r in records).values()))"
+    )
+    result = run_isolated(target, code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"80 {[10] * 8}"
