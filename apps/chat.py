@@ -1,10 +1,12 @@
 """A terminal chat over `stream_generate`: multi-turn, streamed, with live statistics.
 
 Commands: /reset (forget the conversation), /stats (tau, tokens/s and speed-up of the
-last reply), /help, /quit. Ctrl-C stops the current reply and keeps the session;
-Ctrl-D or /quit leaves. With `show_drafts`, text from drafted tokens the target
-accepted is coloured, so speculation can be watched at work; the target's own token of
-each step is printed plainly.
+last reply), /save FILE and /load FILE (the conversation as JSON), /help, /quit. A turn
+that does not fit the model's context is refused with a message (or, with
+`drop_oldest`, the oldest turns make room) and the conversation goes on. Ctrl-C stops
+the current reply and keeps the session; Ctrl-D or /quit leaves. With `show_drafts`,
+text from drafted tokens the target accepted is coloured, so speculation can be watched
+at work; the target's own token of each step is printed plainly.
 
 Speed-up: tau x (plain step time / speculative step time). The plain step time is
 measured once, by decoding a few tokens of the conversation plainly (no drafter) the
@@ -13,6 +15,8 @@ first time /stats needs it, so the baseline runs on the same machine and context
 
 from __future__ import annotations
 
+import json
+import os
 import select
 import sys
 import time
@@ -26,19 +30,24 @@ from mlx_redrafter.auto import AutoTree
 from mlx_redrafter.config import DEFAULT_TREE, TreeConfig
 from mlx_redrafter.decode import plan_step
 from mlx_redrafter.drafter import Drafter
+from mlx_redrafter.files import write_json
 from mlx_redrafter.generate import GenerationResponse, stream_generate
 from mlx_redrafter.policy import TreeChoice
 from mlx_redrafter.prompts import chat_tokens
+from mlx_redrafter.target import context_length
 
 DRAFTED = "\033[32m"  # green: drafted by the drafter and accepted by the target
 RESET = "\033[0m"
 BASELINE_TOKENS = 16
 
 HELP = """commands:
-  /reset   forget the conversation
-  /stats   tau, tokens/s and speed-up of the last reply
-  /help    this text
-  /quit    leave (Ctrl-D too); Ctrl-C stops a reply"""
+  /reset       forget the conversation
+  /stats       tau, tokens/s and speed-up of the last reply
+  /save FILE   write the conversation to FILE (JSON)
+  /load FILE   continue the conversation saved in FILE
+  /help        this text
+  /quit        leave (Ctrl-D too); Ctrl-C stops a reply"""
+CONVERSATION_FORMAT = "mlx-redrafter-chat"
 
 
 @dataclass
@@ -74,6 +83,7 @@ class ChatSession:
     stop: tuple[str, ...] = ()
     system: str | None = None
     show_drafts: bool = False
+    drop_oldest: bool = False  # a turn that does not fit drops the oldest turns
     out: TextIO = sys.stdout
     messages: list[dict[str, str]] = field(default_factory=list)
     last: ReplyStats | None = None
@@ -103,9 +113,36 @@ class ChatSession:
         self.out.write(text)
         self.out.flush()
 
+    def fit_context(self) -> str | None:
+        """Make the conversation fit the model's context (dropping the oldest turns when
+        `drop_oldest`); None when it fits, else what to do."""
+        limit = context_length(self.model)
+        if limit is None:
+            return None
+        dropped = 0
+        while len(self.prompt()) >= limit and self.drop_oldest and len(self.messages) > 1:
+            del self.messages[:2]  # the oldest user turn and its reply
+            dropped += 1
+        if dropped:
+            self._write(f"(dropped the {dropped} oldest turn(s) to fit the context)\n")
+        length = len(self.prompt())
+        if length < limit:
+            return None
+        where = "this turn" if len(self.messages) == 1 else "the conversation with this turn"
+        return (
+            f"{where} has {length} tokens but the model's context is {limit}: shorten it, "
+            "/reset, or start the chat with --drop-oldest to drop the oldest turns"
+        )
+
     def reply(self, user_text: str) -> str:
-        """Add the user's turn, stream the model's answer, and keep it in the conversation."""
+        """Add the user's turn, stream the model's answer, and keep it in the conversation.
+        A turn that does not fit is not kept: the message says why."""
         self.messages.append({"role": "user", "content": user_text})
+        problem = self.fit_context()
+        if problem is not None:
+            self.messages.pop()
+            self._write(f"({problem})\n")
+            return ""
         drafts = _DraftColours(self.tokenizer.detokenizer)
         pieces: list[str] = []
         last: GenerationResponse | None = None
@@ -144,6 +181,31 @@ class ChatSession:
         if last is not None:
             self.last = ReplyStats(last, time.perf_counter() - started, stopped)
         return text
+
+    def save(self, path: str) -> None:
+        """Write the conversation to `path` as JSON (atomically)."""
+        record = {
+            "format": CONVERSATION_FORMAT,
+            "version": 1,
+            "system": self.system,
+            "messages": self.messages,
+        }
+        try:
+            write_json(os.path.expanduser(path), record, indent=1)
+        except OSError as error:
+            raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
+
+    def load(self, path: str) -> None:
+        """Continue the conversation saved in `path`; on any problem nothing changes."""
+        try:
+            with open(os.path.expanduser(path), encoding="utf-8") as file:
+                record = json.load(file)
+        except OSError as error:
+            raise ValueError(f"cannot read {path}: {error.strerror or error}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} is not a saved conversation (not JSON: {error})") from None
+        self.system, self.messages = read_conversation(record, path)
+        self.last = None
 
     def measure_plain_step(self) -> float:
         """Seconds per plain decoding step on the current conversation (measured once)."""
@@ -217,6 +279,25 @@ class _DraftColours:
         return "".join(shown)
 
 
+def read_conversation(record: Any, path: str) -> tuple[str | None, list[dict[str, str]]]:
+    """(system, messages) of a saved conversation record; ValueError saying what is wrong."""
+    if not isinstance(record, dict) or record.get("format") != CONVERSATION_FORMAT:
+        raise ValueError(f"{path} is not a saved conversation (no format {CONVERSATION_FORMAT!r})")
+    system, messages = record.get("system"), record.get("messages")
+    if system is not None and not isinstance(system, str):
+        raise ValueError(f"{path}: 'system' must be a string or null")
+    if not isinstance(messages, list):
+        raise ValueError(f"{path}: 'messages' must be a list")
+    for index, message in enumerate(messages):
+        expected = "user" if index % 2 == 0 else "assistant"
+        ok = isinstance(message, dict) and set(message) == {"role", "content"}
+        if not ok or message["role"] != expected or not isinstance(message["content"], str):
+            raise ValueError(
+                f"{path}: message {index} must be {{'role': '{expected}', 'content': text}}"
+            )
+    return system, [dict(m) for m in messages]
+
+
 def terminal_input(prompt: str) -> str:
     """`input` for a terminal that Ctrl-C always interrupts.
 
@@ -253,9 +334,12 @@ def run_chat(
             continue
         if line in ("/quit", "/exit"):
             return 0
+        command, _, argument = line.partition(" ")
         if line == "/reset":
             session.reset()
             out.write("(conversation cleared)\n")
+        elif command in ("/save", "/load"):
+            out.write(_save_or_load(session, command, argument.strip()) + "\n")
         elif line == "/stats":
             out.write(session.stats() + "\n")
         elif line == "/help":
@@ -268,3 +352,17 @@ def run_chat(
             except KeyboardInterrupt:  # a second Ctrl-C while the reply was wrapping up
                 out.write(" [stopped]\n")
         out.flush()
+
+
+def _save_or_load(session: ChatSession, command: str, path: str) -> str:
+    """Run /save or /load; the line to show."""
+    if not path:
+        return f"usage: {command} FILE"
+    try:
+        if command == "/save":
+            session.save(path)
+            return f"(saved {len(session.messages)} messages to {path})"
+        session.load(path)
+        return f"(loaded {len(session.messages)} messages from {path})"
+    except ValueError as error:
+        return f"({error})"

@@ -20,7 +20,7 @@ import time
 import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,66 @@ def read_prompt(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     raise _wrong_type("prompt", "a non-empty string or a list of token ids", prompt)
 
 
+# Fields this server does not implement: a request that uses one gets a 400 naming it
+# instead of a reply that silently ignores it. Each maps to the values that mean "off".
+_UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calling", (None, [])),
+    "tool_choice": ("tool calling", (None, "none")),
+    "functions": ("function calling", (None, [])),
+    "function_call": ("function calling", (None, "none")),
+    "logprobs": ("log-probabilities", (None, False)),
+    "top_logprobs": ("log-probabilities", (None, 0)),
+    "logit_bias": ("logit bias", (None, {})),
+    "echo": ("echoing the prompt", (None, False)),
+    "suffix": ("suffixes", (None, "")),
+    "best_of": ("best_of", (None, 1)),
+}
+
+
+def check_supported(body: dict[str, Any]) -> None:
+    """Refuse fields the server would otherwise ignore (400, naming the field)."""
+    for name, (what, off) in _UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == o and type(value) is type(o) for o in off):
+            raise APIError(
+                f"'{name}' is not supported by this server ({what}); remove it from the request",
+                param=name,
+                code="unsupported_parameter",
+            )
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise APIError(
+            "'response_format' is not supported by this server (structured output); "
+            'only {"type": "text"} is',
+            param="response_format",
+            code="unsupported_parameter",
+        )
+
+
+class LeadingSpace:
+    """Give /v1/completions text back the space its first token starts with.
+
+    mlx-lm's streaming detokenizers drop the leading space of a reply (right for chat
+    messages); a completion continues its prompt, so "The capital of France is" +
+    " Paris." must keep it. Only the first non-empty text of a request changes.
+    """
+
+    MARKERS = ("\u0120", "\u2581", " ")  # byte-level BPE, SentencePiece, plain
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.pending: bool | None = None  # unknown until the first token
+
+    def __call__(self, update: Update) -> Update:
+        if self.pending is None and update.tokens:
+            piece = self.tokenizer.convert_ids_to_tokens(int(update.tokens[0]))
+            self.pending = isinstance(piece, str) and piece.startswith(self.MARKERS)
+        if not (self.pending and update.text):
+            return update
+        self.pending = False
+        return update if update.text.startswith(" ") else replace(update, text=" " + update.text)
+
+
 # -- the app ------------------------------------------------------------------------
 
 
@@ -276,6 +336,14 @@ class Server:
             )
 
     async def read_body(self, request: Request) -> dict[str, Any]:
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind and kind != "application/json" and not kind.endswith("+json"):
+            raise APIError(
+                f"the request body must be JSON, but its Content-Type is '{kind}': send "
+                "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')",
+                status=415,
+                code="unsupported_media_type",
+            )
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -286,6 +354,7 @@ class Server:
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object", code="invalid_json")
         self.check_model(body)
+        check_supported(body)
         return body
 
     def redrafter_figures(self, update: Update) -> dict[str, Any]:
@@ -311,8 +380,13 @@ class Server:
         }
 
     def start(
-        self, prompt: list[int], settings: Settings, param: str
+        self,
+        prompt: list[int],
+        settings: Settings,
+        param: str,
+        rewrite: Callable[[Update], Update] | None = None,
     ) -> tuple[Job, asyncio.Queue[Update]]:
+        """Submit a request; its updates (through `rewrite`, in order) land in the queue."""
         problem = self.batcher.check_prompt(prompt)
         if problem is not None:
             code = "context_length_exceeded" if "context" in problem else "invalid_value"
@@ -326,6 +400,8 @@ class Server:
                 self.metrics.on_update(update, track)
             except Exception:
                 traceback.print_exc()
+            if rewrite is not None:
+                update = rewrite(update)
             loop.call_soon_threadsafe(updates.put_nowait, update)
 
         job = Job(
@@ -451,7 +527,8 @@ class Server:
         body = await self.read_body(request)
         prompt = read_prompt(self.batcher.tokenizer, body)
         settings = read_settings(body, self.default_max_tokens)
-        job, updates = self.start(prompt, settings, "prompt")
+        rewrite = LeadingSpace(self.batcher.tokenizer)
+        job, updates = self.start(prompt, settings, "prompt", rewrite)
         ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(text: str, reason: str | None, _: dict[str, Any] | None) -> dict[str, Any]:

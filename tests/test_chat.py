@@ -7,6 +7,7 @@ them with --model and --drafter.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -202,3 +203,79 @@ def test_ctrl_c_stops_the_reply_not_the_session(trained_llama: Any) -> None:
     assert "[stopped]" in out.text and "(stopped)" in out.text
     assert len(session.messages) == 4  # both turns kept, the stopped one partial
     assert session.last is not None and not session.last.stopped
+
+
+class _Text(io.StringIO):
+    @property
+    def text(self) -> str:
+        return self.getvalue()
+
+
+def test_an_over_long_turn_is_refused_and_the_chat_goes_on(trained_llama: Any) -> None:
+    """The tiny model's context is 512 positions: a 600-word turn cannot fit."""
+    model, drafter, _ = trained_llama
+    out = _Text()
+    session = ChatSession(model, drafter, chat_tokenizer(), max_tokens=6, out=out)  # type: ignore[arg-type]
+    lines = iter(["w5 w6", " ".join(["w9"] * 600), "w7 w8", "/quit"])
+    assert run_chat(session, read=lambda _: next(lines)) == 0
+    assert "with this turn has 615 tokens but the model's context is 512" in out.text, out.text
+    assert "--drop-oldest" in out.text
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["w5 w6", "w7 w8"]
+    assert session.last is not None and session.last.last.generation_tokens > 0
+
+
+def test_drop_oldest_makes_room_for_a_turn(trained_llama: Any) -> None:
+    model, drafter, _ = trained_llama
+    out = _Text()
+    session = ChatSession(
+        model,
+        drafter,
+        chat_tokenizer(),
+        max_tokens=4,
+        out=out,
+        drop_oldest=True,  # type: ignore[arg-type]
+    )
+    first, second = " ".join(["w9"] * 300), " ".join(["w8"] * 300)
+    session.reply(first)
+    session.reply(second)  # fits alone, not after the first turn
+    assert "(dropped the 1 oldest turn(s) to fit the context)" in out.text
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == [second]
+    assert len(session.messages) == 2
+
+
+def test_save_and_load_a_conversation(trained_llama: Any, tmp_path: Path) -> None:
+    model, drafter, _ = trained_llama
+    out = _Text()
+    session = ChatSession(
+        model,
+        drafter,
+        chat_tokenizer(),
+        max_tokens=5,
+        system="w3",
+        out=out,  # type: ignore[arg-type]
+    )
+    path = tmp_path / "talk.json"
+    lines = iter(["w5 w6", f"/save {path}", "/reset", f"/load {path}", "w7", "/quit"])
+    assert run_chat(session, read=lambda _: next(lines)) == 0
+    saved = json.loads(path.read_text())
+    assert saved["format"] == "mlx-redrafter-chat" and saved["system"] == "w3"
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+    assert "(saved 2 messages" in out.text and "(loaded 2 messages" in out.text
+    assert session.messages[:2] == saved["messages"] and len(session.messages) == 4
+
+    before = list(session.messages)
+    for content, fragment in (
+        ("{not json", "not JSON"),
+        (json.dumps({"format": "other"}), "not a saved conversation"),
+        (json.dumps({**saved, "messages": [{"role": "assistant", "content": "x"}]}), "message 0"),
+    ):
+        path.write_text(content)
+        script = iter([f"/load {path}", "/quit"])
+        assert run_chat(session, read=lambda _, script=script: next(script)) == 0
+        assert fragment in out.text, out.text
+        assert session.messages == before
+    commands = [f"/load {tmp_path / 'missing.json'}", f"/save {path}/x.json", "/load", "/quit"]
+    lines = iter(commands)
+    assert run_chat(session, read=lambda _: next(lines)) == 0
+    assert "cannot read" in out.text and "cannot write" in out.text
+    assert "usage: /load FILE" in out.text

@@ -27,7 +27,9 @@ from mlx_redrafter.apps.server import BackgroundServer, Server, create_app  # no
 from test_chat import chat_tokenizer  # noqa: E402
 
 from mlx_redrafter import generate  # noqa: E402
+from mlx_redrafter.metrics import RequestMetrics  # noqa: E402
 from mlx_redrafter.policy import SpeedGuard, TreePolicy  # noqa: E402
+from mlx_redrafter.session import Update  # noqa: E402
 
 MODEL_ID = "tiny-llama"
 
@@ -267,6 +269,17 @@ def test_concurrent_clients_get_their_lone_replies(served: Served) -> None:
         ("/v1/completions", b'{"prompt": "w1", "top_p": 0}', 400, "top_p"),
         ("/v1/completions", b'{"prompt": "w1", "stop": [1]}', 400, "stop"),
         ("/v1/completions", b'{"prompt": "w1", "seed": 1.5}', 400, "seed"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
+         b'"tools": [{"type": "function", "function": {"name": "f"}}]}', 400, "tools"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
+         b'"tool_choice": "auto"}', 400, "tool_choice"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
+         b'"logprobs": true, "top_logprobs": 2}', 400, "logprobs"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
+         b'"response_format": {"type": "json_object"}}', 400, "response_format"),
+        ("/v1/completions", b'{"prompt": "w1", "logprobs": 3}', 400, "logprobs"),
+        ("/v1/completions", b'{"prompt": "w1", "echo": true}', 400, "echo"),
+        ("/v1/completions", b'{"prompt": "w1", "logit_bias": {"5": 10}}', 400, "logit_bias"),
         ("/v1/nothing", b"{}", 404, None),
     ],
 )  # fmt: skip
@@ -278,6 +291,83 @@ def test_bad_requests_answer_openai_errors(
     error = answer["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["param"] == param
+
+
+def test_the_off_values_of_unsupported_fields_are_accepted(served: Served) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "w1 w2"}],
+        "max_tokens": 3,
+        "tools": [],
+        "tool_choice": "none",
+        "logprobs": False,
+        "response_format": {"type": "text"},
+    }
+    code, answer = served.post("/v1/chat/completions", json.dumps(body).encode())
+    assert code == 200, answer
+
+
+def test_a_body_that_is_not_json_by_its_content_type_gets_415(served: Served) -> None:
+    body = json.dumps({"prompt": "w1", "max_tokens": 2}).encode()
+    for kind in ("application/x-www-form-urlencoded", "text/plain"):
+        request = urllib.request.Request(
+            served.url + "/v1/completions", data=body, headers={"Content-Type": kind}
+        )
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request)
+        assert raised.value.code == 415
+        error = json.load(raised.value)["error"]
+        assert kind in error["message"] and "application/json" in error["message"]
+    charset = {"Content-Type": "application/json; charset=utf-8"}
+    request = urllib.request.Request(served.url + "/v1/completions", data=body, headers=charset)
+    with urllib.request.urlopen(request) as response:
+        assert response.status == 200
+
+
+def test_completions_keep_the_leading_space_of_their_first_token() -> None:
+    """mlx-lm's detokenizers drop a reply's leading space; a completion keeps it, so
+    prompt + completion reads as the model wrote it (SmolLM2's byte-level BPE)."""
+    from mlx_lm.utils import load_tokenizer
+    from mlx_redrafter.apps.server import LeadingSpace
+    from real_models import smollm2_path
+
+    from mlx_redrafter.session import StopText
+
+    tokenizer = load_tokenizer(smollm2_path())
+    tokens = tokenizer.encode(" Paris. It is", add_special_tokens=False)
+    text = StopText(tokenizer, ())
+    first = text.add(tokens[:1], final=False)
+    assert first == "Paris"  # what the detokenizer gives
+    fix = LeadingSpace(tokenizer)
+    steps = [Update(0, first, tokens[:1], 0, None, RequestMetrics(3))]
+    steps.append(
+        Update(0, text.add(tokens[1:], final=True), tokens[1:], 0, "stop", RequestMetrics(3))
+    )
+    assert "".join(fix(update).text for update in steps) == " Paris. It is"
+    no_space = tokenizer.encode("Paris", add_special_tokens=False)
+    plain = LeadingSpace(tokenizer)(Update(0, "Paris", no_space, 0, None, RequestMetrics(3)))
+    assert plain.text == "Paris"
+
+
+def test_serve_refuses_a_bad_or_busy_port_before_loading(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+
+    from mlx_redrafter.cli import main
+
+    with pytest.raises(SystemExit) as raised:
+        main(["serve", "--port", "99999"])
+    assert raised.value.code == 2 and "a TCP port is 0-65535, got 99999" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        started = time.monotonic()
+        code = main(["serve", "--port", str(port), "--model", "/no/such/model"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"port {port} on 127.0.0.1 is already in use" in err, err
+    assert "Traceback" not in err and "serving" not in err
+    assert time.monotonic() - started < 5  # refused before any model is loaded
 
 
 def test_errors_through_the_client_and_the_server_keeps_serving(served: Served) -> None:

@@ -36,6 +36,12 @@ def register(commands: Any) -> None:
         action="store_true",
         help="colour the text of drafted tokens the target accepted (green)",
     )
+    chat.add_argument(
+        "--drop-oldest",
+        action="store_true",
+        help="when a turn does not fit the model's context, drop the oldest turns "
+        "(by default the turn is refused with a message)",
+    )
     chat.set_defaults(run=run)
 
 
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         system=args.system,
         show_drafts=args.show_drafts,
+        drop_oldest=args.drop_oldest,
     )
     plain = isinstance(tree, TreeConfig) and plan_step(tree, drafter is not None).plain
     mode = describe_tree(drafter, tree)

@@ -4,6 +4,8 @@ page at `/`."""
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,9 @@ def register(commands: Any) -> None:
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: loopback only)"
     )
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument(
+        "--port", type=port_number, default=8080, help="TCP port, 0-65535 (default: 8080)"
+    )
     serve.add_argument(
         "--tree",
         default=None,
@@ -58,6 +62,38 @@ def register(commands: Any) -> None:
     serve.set_defaults(run=run)
 
 
+def port_number(text: str) -> int:
+    """argparse type of --port: an integer in 0..65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {port}")
+    return port
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so a busy port fails at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        raise ValueError(f"cannot listen on --host {host!r}: {error}") from None
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as error:
+        listener.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on {host} is already in use: stop the program using it, or "
+                "pick another with --port (0 picks a free one)"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return listener
+
+
 def model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
     """The id /v1/models shows, and other names requests may use for it."""
     if model is None:
@@ -70,16 +106,30 @@ def model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from mlx_redrafter.apps.batcher import Batcher
-        from mlx_redrafter.apps.server import Server, create_app
+        from mlx_redrafter.apps import server  # noqa: F401
     except ImportError as error:
         raise ValueError(f"the server needs {SERVE_EXTRA}: {error}") from None
     auto = args.tree is None or args.tree.strip().lower() == DEFAULT_TREE
     policy: TreePolicy | str = DEFAULT_TREE if auto else TreePolicy.parse(args.tree)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    listener = bind(args.host, args.port)
+    try:
+        return _serve(args, listener, policy, auto)
+    finally:
+        listener.close()
+
+
+def _serve(
+    args: argparse.Namespace, listener: socket.socket, policy: TreePolicy | str, auto: bool
+) -> int:
+    import uvicorn
+
+    from mlx_redrafter.apps.batcher import Batcher
+    from mlx_redrafter.apps.server import Server, create_app
+
     model, drafter, tokenizer = load_from_args(args)
     guard = None if args.fixed_tree or auto else SpeedGuard()
     batcher = Batcher(
@@ -92,15 +142,16 @@ def run(args: argparse.Namespace) -> int:
     mode = f"ReDrafter, {batcher.session.describe()}" if speculates else "plain decoding"
     if speculates and guard is not None:
         mode += "; plain where the tree measurably does not pay"
+    port = listener.getsockname()[1]
     print(
-        f"serving {model_id} ({mode}) on http://{args.host}:{args.port}/  "
+        f"serving {model_id} ({mode}) on http://{args.host}:{port}/  "
         f"(OpenAI API at /v1, chat page at /)",
         file=sys.stderr,
     )
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: listening on {args.host}, not only on this machine", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[listener])
     finally:
         batcher.close()
     return 0
