@@ -418,6 +418,28 @@ def test_a_client_that_disconnects_frees_its_row(served: Served) -> None:
     assert reply.choices[0].text == served.alone(served.prompts[2], 6)
 
 
+def test_a_non_streamed_client_that_disconnects_frees_its_row_at_once(served: Served) -> None:
+    """Updates keep flowing while it decodes: the disconnect must still be noticed."""
+    before = served.status()
+    connection = http.client.HTTPConnection(served.background.host, served.background.port)
+    body = {"prompt": served.prompts[1], "max_tokens": 480, "temperature": 0}
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    deadline = time.monotonic() + 20
+    while served.status()["active"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert connection.sock is not None
+    connection.sock.close()
+    connection.close()
+    closed = time.monotonic()
+    while served.status()["active"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = served.status()
+    assert after["active"] == 0 and time.monotonic() - closed < 1.0
+    assert after["cancelled"] == before["cancelled"] + 1  # cancelled, not decoded to the end
+
+
 def test_speed_guard_decodes_plainly_where_the_tree_does_not_pay() -> None:
     from mlx_redrafter.config import PLAIN_DECODING, TreeConfig
 
