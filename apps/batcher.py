@@ -48,6 +48,10 @@ class Job:
         self.cancelled.set()
 
 
+class QueueFull(RuntimeError):
+    """`max_queue` requests are already waiting for a row."""
+
+
 @dataclass
 class BatcherStats:
     """Counters for the status endpoint and the tests."""
@@ -64,8 +68,9 @@ class Batcher:
     model: an mlx-lm model; drafter: None decodes plainly or with lookup branches;
     policy: a tree per batch size, or "auto" (the default: the auto tree, which
     chooses per step and batch size); max_batch: rows decoded together
-    (more requests wait their turn); guard: a `SpeedGuard` that decodes plainly where
-    a fixed policy's tree measurably does not pay (None: always the policy's tree);
+    (more requests wait their turn, at most max_queue of them: None is unbounded);
+    guard: a `SpeedGuard` that decodes plainly where a fixed policy's tree measurably
+    does not pay (None: always the policy's tree);
     seed: the sampling stream of the worker (None: random). A request's `seed` gives
     it its own key, so a seeded sampled request is reproducible whatever shares its
     batch; unseeded ones take the next key of the worker's stream.
@@ -81,6 +86,7 @@ class Batcher:
         max_batch: int = 16,
         seed: int | None = None,
         guard: SpeedGuard | None = None,
+        max_queue: int | None = None,
     ):
         self.session = DecodingSession(
             model,
@@ -96,6 +102,7 @@ class Batcher:
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
         self.policy = self.session.policy
         self.max_batch = max_batch
+        self.max_queue = max_queue
         self.context_limit = self.session.limit
         self.stats = BatcherStats()
         self._key = mx.random.key(seed if seed is not None else secrets.randbits(32))
@@ -121,6 +128,8 @@ class Batcher:
         with self._wake:
             if self._closed:
                 raise RuntimeError("the decode worker has stopped")
+            if self.max_queue is not None and len(self._pending) >= self.max_queue:
+                raise QueueFull(f"{len(self._pending)} requests are already waiting")
             job.id = next(self._ids)
             self._pending.append(job)
             self._wake.notify()

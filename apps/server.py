@@ -35,7 +35,7 @@ from mlx_redrafter.config import SamplingConfig
 from mlx_redrafter.prompts import chat_tokens, text_tokens
 from mlx_redrafter.session import Update
 
-from .batcher import Batcher, Job
+from .batcher import Batcher, Job, QueueFull
 from .prometheus import CONTENT_TYPE, ServerMetrics
 
 STATIC = Path(__file__).parent / "static"
@@ -57,8 +57,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
+        self.headers = headers or {}
         self.message, self.status, self.param, self.code, self.kind = (
             message,
             status,
@@ -78,7 +80,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # -- reading requests --------------------------------------------------------------
@@ -413,7 +415,17 @@ class Server:
             stop=settings.stop,
             seed=settings.seed,
         )
-        self.batcher.submit(job)
+        try:
+            self.batcher.submit(job)
+        except QueueFull as full:
+            wait = 1 + self.batcher.pending // max(self.batcher.max_batch, 1)
+            raise APIError(
+                f"the server is busy ({full}): retry in {wait} s",
+                status=503,
+                kind="server_error",
+                code="server_busy",
+                headers={"Retry-After": str(wait)},
+            ) from None
         return job, updates
 
     async def collect(

@@ -440,6 +440,48 @@ def test_a_non_streamed_client_that_disconnects_frees_its_row_at_once(served: Se
     assert after["cancelled"] == before["cancelled"] + 1  # cancelled, not decoded to the end
 
 
+def test_a_full_queue_answers_503_with_retry_after(trained_llama: Any) -> None:
+    """One row decoding, one request waiting (max_queue=1): the next one gets a 503."""
+    from mlx_redrafter.apps.batcher import Job, QueueFull
+
+    model, drafter, prompts = trained_llama
+    batcher = Batcher(model, drafter, chat_tokenizer(), "2x3", max_batch=1, max_queue=1)
+    server = BackgroundServer(create_app(Server(batcher, MODEL_ID)))
+    started = threading.Event()
+    running = Job(list(prompts[0]), lambda _: started.set(), max_tokens=480)
+    waiting = Job(list(prompts[1]), lambda _: None, max_tokens=4)
+    try:
+        with server:
+            batcher.submit(running)
+            assert started.wait(20)
+            batcher.submit(waiting)
+            with pytest.raises(QueueFull):
+                batcher.submit(Job(list(prompts[2]), lambda _: None))
+            request = urllib.request.Request(
+                server.url + "/v1/completions",
+                data=json.dumps({"prompt": "w1 w2", "max_tokens": 2}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as raised:
+                urllib.request.urlopen(request)
+            assert raised.value.code == 503
+            assert raised.value.headers["Retry-After"] == "2"
+            error = json.load(raised.value)["error"]
+            assert (
+                error["code"] == "server_busy"
+                and "1 requests are already waiting" in error["message"]
+            )
+            running.cancel()
+            deadline = time.monotonic() + 20
+            while batcher.pending and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with urllib.request.urlopen(request) as response:  # room again
+                assert response.status == 200
+    finally:
+        running.cancel()
+        batcher.close()
+
+
 def test_speed_guard_decodes_plainly_where_the_tree_does_not_pay() -> None:
     from mlx_redrafter.config import PLAIN_DECODING, TreeConfig
 

@@ -53,6 +53,12 @@ def register(commands: Any) -> None:
         "--max-batch", type=int, default=16, help="rows decoded together (default: 16)"
     )
     serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="requests that may wait for a row; more get 503 with Retry-After (default: 64)",
+    )
+    serve.add_argument(
         "--max-tokens",
         type=int,
         default=512,
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     policy: TreePolicy | str = DEFAULT_TREE if auto else TreePolicy.parse(args.tree)
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     listener = bind(args.host, args.port)
     try:
         return _serve(args, listener, policy, auto)
@@ -133,7 +141,14 @@ def _serve(
     model, drafter, tokenizer = load_from_args(args)
     guard = None if args.fixed_tree or auto else SpeedGuard()
     batcher = Batcher(
-        model, drafter, tokenizer, policy, max_batch=args.max_batch, seed=args.seed, guard=guard
+        model,
+        drafter,
+        tokenizer,
+        policy,
+        max_batch=args.max_batch,
+        seed=args.seed,
+        guard=guard,
+        max_queue=args.max_queue,
     )
     batcher.warm_up()
     model_id, aliases = model_names(args.model)
