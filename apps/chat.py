@@ -33,7 +33,9 @@ from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.files import write_json
 from mlx_redrafter.generate import GenerationResponse, stream_generate
 from mlx_redrafter.policy import TreeChoice
+from mlx_redrafter.prompt_cache import PromptCache
 from mlx_redrafter.prompts import chat_tokens
+from mlx_redrafter.session import DecodingSession
 from mlx_redrafter.target import context_length
 
 DRAFTED = "\033[32m"  # green: drafted by the drafter and accepted by the target
@@ -86,6 +88,8 @@ class ChatSession:
     drop_oldest: bool = False  # a turn that does not fit drops the oldest turns
     out: TextIO = sys.stdout
     messages: list[dict[str, str]] = field(default_factory=list)
+    prompt_cache: PromptCache | None = field(default_factory=PromptCache)  # None: no reuse
+    decoder: DecodingSession | None = field(default=None, repr=False)  # kept across turns
     last: ReplyStats | None = None
     plain_step_seconds: float | None = None
 
@@ -93,6 +97,8 @@ class ChatSession:
         if isinstance(self.tree, str) and self.tree.strip().lower() == "auto":
             # One auto tree for the whole conversation: what it learns carries over.
             self.tree = AutoTree.for_model(self.model, self.drafter)
+        if self.decoder is None:  # one session: compiled steps carry over between turns
+            self.decoder = DecodingSession(self.model, self.drafter, self.tokenizer, tree=self.tree)
 
     def describe_tree(self) -> str:
         if isinstance(self.tree, TreeConfig):
@@ -104,6 +110,8 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = []
         self.last = None
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
 
     def prompt(self) -> list[int]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -155,13 +163,14 @@ class ChatSession:
                 self.drafter,
                 self.tokenizer,
                 self.prompt(),
+                prompt_cache=self.prompt_cache,
+                session=self.decoder,
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
                 seed=self.seed,
                 stop=self.stop,
-                tree=self.tree,
             )
             for response in responses:
                 last = response
@@ -206,6 +215,8 @@ class ChatSession:
             raise ValueError(f"{path} is not a saved conversation (not JSON: {error})") from None
         self.system, self.messages = read_conversation(record, path)
         self.last = None
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
 
     def measure_plain_step(self) -> float:
         """Seconds per plain decoding step on the current conversation (measured once)."""
@@ -230,8 +241,9 @@ class ChatSession:
             f"last reply: {last.generation_tokens} tokens in {last.steps} target steps"
             + (" (stopped)" if self.last.stopped else ""),
             f"tau (tokens per target step): {last.tokens_per_step:.2f}",
-            f"speed: {last.generation_tps:.1f} tokens/s "
-            f"(prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tokens/s)",
+            f"speed: {last.generation_tps:.1f} tokens/s (prompt {last.prompt_tokens} tokens, "
+            f"{last.cached_tokens} from the prompt cache, the rest prefilled in "
+            f"{last.prompt_seconds * 1e3:.0f} ms)",
         ]
         fixed = self.tree if isinstance(self.tree, TreeConfig) else None
         if fixed is not None and plan_step(fixed, self.drafter is not None).plain:

@@ -11,6 +11,7 @@ from .generate import (
 )
 from .loading import load, load_drafter
 from .policy import SpeedGuard, TreePolicy
+from .prompt_cache import PromptCache
 from .session import DecodingSession, Request, Update
 
 __version__ = "0.1.0"
@@ -22,6 +23,7 @@ __all__ = [
     "Drafter",
     "DrafterConfig",
     "GenerationResponse",
+    "PromptCache",
     "Request",
     "SamplingConfig",
     "SpeedGuard",

@@ -135,19 +135,22 @@ def prefill(
     sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
     row_ids: Sequence[int] | None = None,
     keys: mx.array | None = None,
+    reuse: Sequence[tuple[TargetCache, int] | None] | None = None,
 ) -> DecodeState:
     """Commit every prompt but its last token; the last token roots the first tree.
 
     Rows of different lengths are right-padded per chunk; padding is never committed.
     sampling: the rules of all rows, or of each row; row_ids: the requests the rows
     serve (default 0..B-1); keys: the rows' own PRNG keys (B, 2)
-    (required when a row samples).
+    (required when a row samples); reuse: per row, a one-row cache whose first n
+    slots hold the row's first n prompt tokens (n <= len(prompt) - 2), or None:
+    only the rest is prefilled.
     """
     batch_size = len(prompts)
-    cache = TargetCache(model, batch_size, cache_config)
+    cache, starts = _starting_cache(model, batch_size, cache_config, reuse)
     embedding = model.model.embed_tokens(mx.array([0]))  # (1, D), for D and the dtype
     hidden = mx.zeros((batch_size, embedding.shape[-1]), dtype=embedding.dtype)  # (B, D)
-    contexts = [list(prompt[:-1]) for prompt in prompts]
+    contexts = [list(prompt[start:-1]) for prompt, start in zip(prompts, starts)]
     longest = max((len(context) for context in contexts), default=0)
     for start in range(0, longest, cache_config.prefill_step_size):
         chunks = [context[start : start + cache_config.prefill_step_size] for context in contexts]
@@ -162,7 +165,7 @@ def prefill(
         cache.commit([list(range(width))] * batch_size, counts)
         mx.eval(hidden, cache.arrays())
     root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
-    capacity = _round_up(longest + 2)
+    capacity = _round_up(max(len(prompt) for prompt in prompts) + 1)
     history = mx.array(
         [list(prompt) + [0] * (capacity - len(prompt)) for prompt in prompts], dtype=mx.int32
     )  # (B, capacity)
@@ -171,6 +174,26 @@ def prefill(
         raise ValueError(f"{len(rules)} sampling configs for {batch_size} prompts")
     ids = list(range(batch_size)) if row_ids is None else list(row_ids)
     return DecodeState(cache, root_tokens, hidden, ids, rules, row_keys(keys, rules), history)
+
+
+def _starting_cache(
+    model: nn.Module,
+    batch_size: int,
+    config: CacheConfig,
+    reuse: Sequence[tuple[TargetCache, int] | None] | None,
+) -> tuple[TargetCache, list[int]]:
+    """The cache prefill starts from (empty, or the reused prefixes) and each row's
+    number of prompt tokens already in it."""
+    if reuse is None or not any(reuse):
+        return TargetCache(model, batch_size, config), [0] * batch_size
+    if len(reuse) != batch_size:
+        raise ValueError(f"{len(reuse)} reused caches for {batch_size} prompts")
+    cache = TargetCache(model, 0, config)
+    for entry in reuse:
+        cache.extend(
+            TargetCache(model, 1, config) if entry is None else entry[0].copy_row(0, entry[1])
+        )
+    return cache, [0 if entry is None else entry[1] for entry in reuse]
 
 
 HISTORY_STEP = 256

@@ -14,6 +14,7 @@ from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .metrics import RequestMetrics
 from .policy import TreeChoice
+from .prompt_cache import PromptCache
 from .prompts import text_tokens
 from .session import DecodingSession, Request, Update, request_keys, stop_config
 
@@ -31,12 +32,13 @@ class GenerationResponse:
         or while the text may be the start of a stop string).
     tokens: the token ids emitted in this step: `num_accepted` drafted tokens the
         target accepted, then its own bonus token (fewer when the request stopped).
-    prompt_tokens: tokens in the prompt.
+    prompt_tokens: tokens in the prompt; cached_tokens: of those, the ones a prompt
+        cache held (not prefilled); prompt_seconds: the prefill's wall-clock.
     generation_tokens: tokens generated so far.
     steps: target verification forwards so far.
     tokens_per_step: tau, tokens the target produced per verification forward so far,
         counting the bonus token (and a final EOS token, which is not in the text).
-    prompt_tps: prefill tokens per second.
+    prompt_tps: prefilled tokens per second.
     generation_tps: decoding tokens per second so far (excluding prefill).
     peak_memory: peak memory in GB so far.
     finish_reason: None while running; "stop" (EOS or a stop string) or "length".
@@ -60,6 +62,8 @@ class GenerationResponse:
     tree_size: int = 1
     acceptance_by_depth: tuple[float, ...] = ()
     tree: str = "1x1"
+    cached_tokens: int = 0
+    prompt_seconds: float = 0.0
 
     @classmethod
     def of(cls, update: Update) -> GenerationResponse:
@@ -80,6 +84,8 @@ class GenerationResponse:
             tree_size=update.tree_size,
             acceptance_by_depth=tuple(metrics.acceptance_by_depth),
             tree=update.tree.label,
+            cached_tokens=metrics.cached_tokens,
+            prompt_seconds=metrics.prompt_seconds,
         )
 
 
@@ -111,20 +117,36 @@ def stream_batch(
     stop: Sequence[str] | str | None = None,
     tree: TreeConfig | TreeChoice | str | None = None,
     cache: CacheConfig | None = None,
+    prompt_caches: Sequence[PromptCache | None] | None = None,
+    session: DecodingSession | None = None,
 ) -> Iterator[tuple[int, GenerationResponse]]:
     """Decode several prompts together; yields (prompt index, response) per row and step.
 
     tree: "auto" (None: `DEFAULT_TREE`, the tree chosen per step for this model and
     machine), a `TreeConfig` or its notation, e.g. "1x2+1x7", or a `TreeChoice`
     (an `auto.AutoTree` kept across calls keeps what it learned);
-    cache: the target's K/V storage (`CacheConfig(kv_bits=8)` quantizes it).
+    cache: the target's K/V storage (`CacheConfig(kv_bits=8)` quantizes it);
+    prompt_caches: per prompt, a `PromptCache` (or None) whose shared prefix is not
+    prefilled again and which takes the prompt and reply when the row ends;
+    session: a `DecodingSession` of this model and drafter to decode in, kept across
+    calls (its compiled steps and tree choice carry over); `tree` and `cache` are then
+    the session's.
     """
     encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    prefixes = list(prompt_caches) if prompt_caches is not None else [None] * len(encoded)
+    if len(prefixes) != len(encoded):
+        raise ValueError(f"{len(prefixes)} prompt caches for {len(encoded)} prompts")
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     rules = stop_config(tokenizer, max_tokens, stop)
-    session = DecodingSession(model, drafter, tokenizer, tree=tree, cache=cache)
+    if session is None:
+        session = DecodingSession(model, drafter, tokenizer, tree=tree, cache=cache)
+    elif session.model is not model or session.drafter is not drafter:
+        raise ValueError("the session decodes another model or drafter than the one given")
     keys = request_keys(seed, len(encoded))
-    requests = [Request(tokens, sampling, rules, key) for tokens, key in zip(encoded, keys)]
+    requests = [
+        Request(tokens, sampling, rules, key, prefix)
+        for tokens, key, prefix in zip(encoded, keys, prefixes)
+    ]
     for update in session.run(requests):
         yield update.request, GenerationResponse.of(update)
 
@@ -140,6 +162,7 @@ class GenerationOptions(TypedDict, total=False):
     stop: Sequence[str] | str | None
     tree: TreeConfig | TreeChoice | str | None
     cache: CacheConfig | None
+    session: DecodingSession | None
 
 
 def stream_generate(
@@ -147,17 +170,22 @@ def stream_generate(
     drafter: Drafter | None,
     tokenizer: Any,
     prompt: Prompt,
+    prompt_cache: PromptCache | None = None,
     **options: Unpack[GenerationOptions],
 ) -> Iterator[GenerationResponse]:
     """Generate for one prompt, yielding a GenerationResponse per decoding step.
 
     Options as in `stream_batch` (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
-    seed, stop, tree, cache). `drafter=None` decodes plainly (one token per target
-    forward) through the same session, or with lookup branches alone for a tree of
-    W = 0 (e.g. tree="0x5+1:text"). The last response has a finish_reason and
-    carries the totals.
+    seed, stop, tree, cache). prompt_cache: a `PromptCache` kept across calls (a
+    conversation's turns): only what the prompt does not share with it is prefilled.
+    `drafter=None` decodes plainly (one token per target forward) through the same
+    session, or with lookup branches alone for a tree of W = 0 (e.g.
+    tree="0x5+1:text"). The last response has a finish_reason and carries the totals.
     """
-    for _, response in stream_batch(model, drafter, tokenizer, [prompt], **options):
+    caches = [prompt_cache]
+    for _, response in stream_batch(
+        model, drafter, tokenizer, [prompt], prompt_caches=caches, **options
+    ):
         yield response
 
 

@@ -51,6 +51,7 @@ class RequestMetrics:
 
     prompt_tokens: int
     prompt_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens taken from a prompt cache, not prefilled
     generated: int = 0
     produced: int = 0
     steps: int = 0
@@ -83,7 +84,8 @@ class RequestMetrics:
 
     @property
     def prompt_tps(self) -> float:
-        return throughput(self.prompt_tokens, self.prompt_seconds)
+        """Prefilled tokens (cached ones excluded) per second of prefill."""
+        return throughput(self.prompt_tokens - self.cached_tokens, self.prompt_seconds)
 
     @property
     def acceptance_by_depth(self) -> list[float]:

@@ -109,6 +109,22 @@ def read_prompts(
     return records
 
 
+def read_turns(path: str | os.PathLike[str]) -> list[list[str]]:
+    """The user turns of each MT-Bench-style record (`{"turns": [...]}`), in order."""
+    file = Path(path)
+    opener = gzip.open if file.suffix == ".gz" else open
+    conversations = []
+    with opener(file, "rt", encoding="utf-8") as f:
+        for line in f:
+            record = json.loads(line) if line.strip() else None
+            turns = record.get("turns") if isinstance(record, dict) else None
+            if isinstance(turns, list) and all(isinstance(t, str) and t for t in turns):
+                conversations.append(list(turns))
+    if not conversations:
+        raise ValueError(f"{file} holds no record with a 'turns' list")
+    return conversations
+
+
 def text_tokens(tokenizer: Any, text: str) -> list[int]:
     """Token ids of raw text, with the tokenizer's BOS unless the text already has it."""
     bos = getattr(tokenizer, "bos_token", None)

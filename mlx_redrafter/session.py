@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +52,8 @@ from .drafter import Drafter
 from .kernels import Kernels
 from .metrics import RequestMetrics
 from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
-from .target import context_length, prepare_target
+from .prompt_cache import PromptCache
+from .target import TargetCache, context_length, prepare_target
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,15 @@ class Request:
     key: the request's MLX PRNG key (2,); required when it samples. Its token at
     position p is drawn with noise keyed by (key, p), so a seeded request gives the
     same tokens whatever tree decodes it and whatever shares its batch.
+    prefix: a `PromptCache`: the prompt's prefix it holds is not prefilled again, and
+    when the request ends it holds this request's prompt and reply.
     """
 
     prompt: Sequence[int]
     sampling: SamplingConfig = SamplingConfig()
     stop: StopConfig = StopConfig()
     key: mx.array | None = None
+    prefix: PromptCache | None = None  # reused K/V of earlier turns; takes this one's
 
 
 @dataclass(frozen=True)
@@ -378,6 +382,7 @@ class DecodingSession:
         # Greedy rows never draw, so a row without a key gets a zero key.
         zero = mx.zeros((2,), dtype=mx.uint32)
         keys = [zero if row.request.key is None else row.request.key for row in rows]
+        reuse = [_reusable(row.request) for row in rows]
         with mx.stream(generation_stream()):
             fresh = prefill(
                 self.model,
@@ -386,10 +391,12 @@ class DecodingSession:
                 sampling=[row.request.sampling for row in rows],
                 row_ids=[row.id for row in rows],
                 keys=mx.stack(keys),  # (B, 2)
+                reuse=reuse,
             )
         seconds = time.perf_counter() - started
-        for row in rows:
+        for row, entry in zip(rows, reuse):
             row.metrics.prompt_seconds = seconds
+            row.metrics.cached_tokens = 0 if entry is None else entry[1]
             self._rows[row.id] = row
         if self.state is None or not self.state.row_ids:
             self.state = fresh
@@ -498,6 +505,7 @@ class DecodingSession:
             if ended is None:
                 keep.append(position)
             else:
+                _hand_over(row.request.prefix, state, position)
                 del self._rows[request_id]
         if not keep:
             self.state = None
@@ -540,6 +548,25 @@ class DecodingSession:
                     yield from self.step()
             finally:  # a consumer that stops early leaves nothing behind
                 self._leave(mine)
+
+
+def _reusable(request: Request) -> tuple[TargetCache, int] | None:
+    """What `prefill` may reuse for this request: its prompt cache and the length of
+    the prefix it shares with the prompt."""
+    prefix = request.prefix
+    if prefix is None or prefix.cache is None:
+        return None
+    prefix.cached = prefix.reusable(request.prompt)
+    return (prefix.cache, prefix.cached) if prefix.cached else None
+
+
+def _hand_over(prefix: PromptCache | None, state: DecodeState, position: int) -> None:
+    """Give a finished row's K/V (its committed tokens) to its prompt cache."""
+    if prefix is None:
+        return
+    length = state.cache.host_lengths[position]
+    tokens = state.history[position, :length].tolist()
+    prefix.keep(state.cache.copy_row(position), cast(list[int], tokens))
 
 
 def tree_choice(

@@ -16,6 +16,7 @@ to each row's committed context; nothing is recomputed.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -368,6 +369,23 @@ class TargetCache:
             layer.select_rows(index)
         self.lengths = self.lengths[index]
         self.host_lengths = [self.host_lengths[r] for r in rows]
+
+    def copy_row(self, row: int, length: int | None = None) -> TargetCache:
+        """A one-row cache holding row `row`'s first `length` committed slots (default:
+        all of them); this cache is unchanged (its arrays are indexed, not written)."""
+        out = copy.copy(self)
+        out.layers = [copy.copy(layer) for layer in self.layers]
+        index = mx.array([row], dtype=mx.int32)
+        for layer in out.layers:
+            layer.shared = out
+            if layer.keys is not None:
+                layer.select_rows(index)
+        out.host_lengths = [self.host_lengths[row]]
+        kept = out.host_lengths[0] if length is None else min(length, out.host_lengths[0])
+        out.host_lengths = [kept]
+        out.lengths = mx.array(out.host_lengths, dtype=mx.int32)
+        out._tree, out._masks = None, {}
+        return out
 
     def extend(self, other: TargetCache) -> None:
         """Append the rows of another cache of the same model (requests joining)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..bench import (
     BenchConfig,
+    environment,
     format_table,
     progress_printer,
     run_benchmark,
@@ -16,6 +17,7 @@ from ..bench import (
     write_result,
 )
 from ..config import DEFAULT_TREE, SamplingConfig
+from ..files import write_json
 from ..prompts import MT_BENCH, encode_prompt, read_prompts
 from .common import load_from_args, parse_trees
 
@@ -91,10 +93,53 @@ def register(commands: Any) -> None:
     )
     bench.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     bench.add_argument("--no-plots", action="store_true")
+    bench.add_argument(
+        "--second-turns",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead: time to first token of N two-turn conversations' second turns "
+        "with and without the prompt cache (plus one warm-up conversation)",
+    )
     bench.set_defaults(run=run)
 
 
+def run_second_turns(args: argparse.Namespace) -> int:
+    """`bench --second-turns N`: the prompt cache's time to first token."""
+    from ..bench_turns import second_turns
+    from ..prompts import read_turns
+
+    if args.second_turns < 1:
+        raise ValueError("--second-turns must be >= 1")
+    pairs = [(turns[0], turns[1]) for turns in read_turns(args.prompts) if len(turns) >= 2]
+    model, drafter, tokenizer = load_from_args(args)
+    result = second_turns(
+        model,
+        drafter,
+        tokenizer,
+        pairs[: args.second_turns + 1],
+        args.max_tokens,
+        progress_printer(),
+    )
+    print(file=sys.stderr)
+    print(
+        f"{result['conversations']} second turns, {result['max_tokens']} tokens each: "
+        f"prompt {result['mean_prompt_tokens']:.0f} tokens, {result['mean_cached_tokens']:.0f} "
+        f"from the cache; TTFT {result['mean_ttft_cached'] * 1e3:.0f} ms with the cache, "
+        f"{result['mean_ttft_full'] * 1e3:.0f} ms without (ratio {result['ttft_ratio']:.2f}, "
+        f"worst {result['worst_ratio']:.2f}); replies identical: {result['all_identical']}"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "second_turns.json"
+    write_json(path, {"environment": environment(), **result})
+    print(f"wrote {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.second_turns is not None:
+        return run_second_turns(args)
     if args.limit is not None and args.limit < 1:
         raise ValueError("--limit must be >= 1")
     config = BenchConfig(
