@@ -153,12 +153,19 @@ def _read_torch_pickle(path: Path) -> dict[str, mx.array]:
     return out
 
 
-_TRT_NAMES = {"layers.": "lm_head.", "input_proj.": "input_proj.", "rnn_": "rnn_"}
-
-
 def _read_tensorrt(folder: Path, config: dict[str, Any]) -> Checkpoint:
     """The drafter tensors of a TensorRT-LLM checkpoint, ranks joined along axis 0."""
-    tp = int(config.get("mapping", {}).get("tp_size", 1))
+    keys = ("vocab_size", "redrafter_num_layers", "redrafter_hidden_size", "redrafter_exit_dim")
+    missing = [key for key in (*keys, "redrafter_is_rnn") if key not in config]
+    if missing:
+        raise ConversionError(f"{folder / 'config.json'} lacks {', '.join(missing)}")
+    try:
+        vocab_size, layers, hidden_size, exit_dim = (int(config[key]) for key in keys)
+        tp = int(config.get("mapping", {}).get("tp_size", 1))
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ConversionError(
+            f"{folder / 'config.json'}: a size is not an integer ({exc})"
+        ) from exc
     ranks = []
     for rank in range(tp):
         path = folder / f"rank{rank}.safetensors"
@@ -167,13 +174,14 @@ def _read_tensorrt(folder: Path, config: dict[str, Any]) -> Checkpoint:
         tensors = _load_tensors(path)
         prefix = "drafter."
         ranks.append({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
-    if not ranks[0]:
-        raise ConversionError(f"{folder}/rank0.safetensors holds no drafter.* tensors")
-    layers = int(config["redrafter_num_layers"])
-    vocab_size = int(config["vocab_size"])
+    if not ranks[0] or any(set(r) != set(ranks[0]) for r in ranks):
+        raise ConversionError(f"{folder}: the rank files do not hold the same drafter.* tensors")
     weights = {}
     for name in ranks[0]:
-        joined = mx.concatenate([r[name] for r in ranks], axis=0) if tp > 1 else ranks[0][name]
+        try:
+            joined = mx.concatenate([r[name] for r in ranks], axis=0)  # split along axis 0
+        except ValueError as exc:
+            raise ConversionError(f"{folder}: drafter.{name} does not join across ranks") from exc
         if name == "lm_head.weight":
             weights[f"lm_head.{layers}.weight"] = joined[:vocab_size]  # drop TP vocab padding
         elif name.startswith("layers."):
@@ -183,8 +191,8 @@ def _read_tensorrt(folder: Path, config: dict[str, Any]) -> Checkpoint:
     ours = {
         "model_type": MODEL_TYPE,
         "vocab_size": vocab_size,
-        "hidden_size": int(config["redrafter_hidden_size"]),
-        "exit_dim": int(config["redrafter_exit_dim"]),
+        "hidden_size": hidden_size,
+        "exit_dim": exit_dim,
         "num_draft_layers": layers,
         "rnn": bool(config["redrafter_is_rnn"]),
     }

@@ -326,3 +326,22 @@ def test_export_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         main(["drafter", str(src), "-o", str(tmp_path / "o"), "--beams", "8"])
     assert exit_info.value.code == 2 and "expected WxL" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_broken_tensorrt_folder_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = _reduced_drafter().save(tmp_path / "ours")
+    out = tmp_path / "trt"
+    args = ["drafter", str(src), "-o", str(out), "--to", "tensorrt-llm", "--tp-size", "2"]
+    assert _run(args, capsys)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    del config["redrafter_exit_dim"]
+    (out / "config.json").write_text(json.dumps(config))
+    code, err = _run(["drafter", str(out), "-o", str(tmp_path / "a")], capsys)
+    assert code == 2 and "lacks redrafter_exit_dim" in err and "Traceback" not in err, err
+    config["redrafter_exit_dim"] = 48
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "rank1.safetensors").unlink()
+    code, err = _run(["drafter", str(out), "-o", str(tmp_path / "b")], capsys)
+    assert code == 2 and "no rank1.safetensors" in err, err
