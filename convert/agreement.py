@@ -21,6 +21,8 @@ import numpy as np
 from mlx_redrafter.beam_search import beam_search
 from mlx_redrafter.drafter import Drafter
 
+from .errors import ConversionError
+
 
 @dataclass(frozen=True)
 class States:
@@ -72,7 +74,8 @@ def model_states(
 ) -> States:
     """Sample `samples` positions (each with its two following tokens) from the prompts'
     tokens run through the target (an mlx-lm model). Prompts are taken in a seeded
-    random order until there are twice as many positions as samples."""
+    random order until there are twice as many positions as samples; a prompt of
+    fewer than 3 tokens has no such position and is skipped."""
     rng = np.random.default_rng(seed)
     hidden_rows, next_rows, positions = [], [], 0
     for index in rng.permutation(len(token_lists)):
@@ -88,12 +91,16 @@ def model_states(
         if positions >= 2 * samples:
             break
     if not hidden_rows:
-        raise ValueError("no prompt has 3 tokens or more")
+        raise ConversionError(
+            f"no prompt of {source} has 3 tokens or more, so the check has no target "
+            "state followed by two tokens: give --prompts with longer prompts"
+        )
     hidden = mx.concatenate(hidden_rows)  # (positions, D)
     following = np.concatenate(next_rows)  # (positions, 2)
     pick = rng.permutation(len(following))[:samples]
     embed = model.model.embed_tokens  # type: ignore[attr-defined]
-    return States(hidden[mx.array(pick)], mx.array(following[pick]), embed, source)
+    picked = hidden[mx.array(pick)]  # (S, D)
+    return States(picked, mx.array(following[pick]), embed, source)  # next tokens (S, 2)
 
 
 def random_states(hidden_size: int, vocab_size: int, samples: int, seed: int) -> States:

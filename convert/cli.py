@@ -6,8 +6,12 @@ import argparse
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from .errors import ConversionError
+
+if TYPE_CHECKING:
+    from .drafter import ExportCheck
 
 EXIT_ERROR = 2
 EXIT_INTERNAL = 1
@@ -75,7 +79,10 @@ _DRAFTER_EPILOG = textwrap.dedent(
     drafts on sampled target states, and whole W x L beam searches); it refuses
     when they differ.  The states come from --model (default: the embedded model
     for the drafter shipped with it; otherwise random states) run on --prompts
-    (default: the packaged MT-Bench).  docs/convert.md documents the layouts.
+    (default: the packaged MT-Bench).  --model, --prompts, --samples and --beams
+    apply only to these two layouts, --tp-size only to tensorrt-llm.  A quantized
+    SRC stays quantized with --to mlx-redrafter and is dequantized for the other
+    two.  docs/convert.md documents the layouts.
 
     examples:
       mlx-redrafter-convert drafter ./drafter-ckpt -o drafters/smollm2
@@ -156,8 +163,12 @@ def _add_weight_options(
     )
 
 
+EXPORT_OPTIONS = ("model", "prompts", "samples", "beams", "tp_size")  # None unless given
+
+
 def _add_export_options(parser: argparse.ArgumentParser) -> None:
-    """The agreement check and TensorRT-LLM shape of --to reference / tensorrt-llm."""
+    """The agreement check and TensorRT-LLM shape of --to reference / tensorrt-llm
+    (defaults None, so that `_export_check` can tell which were given)."""
     parser.add_argument(
         "--model", metavar="MODEL", help="target model whose hidden states the check samples"
     )
@@ -167,21 +178,18 @@ def _add_export_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--samples",
         type=_positive_int,
-        default=1000,
         metavar="N",
         help="target positions sampled by the check, 2 states each (default: 1000)",
     )
     parser.add_argument(
         "--beams",
         type=_beam_shape,
-        default=(8, 5),
         metavar="WxL",
         help="beam search compared by the check, and TensorRT-LLM's beam shape (default: 8x5)",
     )
     parser.add_argument(
         "--tp-size",
         type=_positive_int,
-        default=1,
         metavar="N",
         help="tensor-parallel ranks of a TensorRT-LLM export (default: 1)",
     )
@@ -238,6 +246,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _export_check(args: argparse.Namespace) -> ExportCheck | None:
+    """The ExportCheck of --to reference / tensorrt-llm; None for --to mlx-redrafter,
+    where giving an export option is an error rather than silently ignored."""
+    from .drafter import ExportCheck
+
+    given = {name: getattr(args, name) for name in EXPORT_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if args.to == "mlx-redrafter":
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ConversionError(
+                f"{flags} apply only to --to reference|tensorrt-llm (the export check and "
+                "layout): drop them, or pick one of those layouts"
+            )
+        return None
+    return ExportCheck(**given)
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.command == "model":
         from .api import convert_model
@@ -253,20 +279,13 @@ def _run(args: argparse.Namespace) -> None:
             progress=not args.quiet,
         )
     elif args.command == "drafter":
-        from .drafter import ExportCheck, convert_drafter
+        from .drafter import convert_drafter
 
-        check = ExportCheck(
-            model=args.model,
-            prompts=args.prompts,
-            samples=args.samples,
-            beams=args.beams,
-            tp_size=args.tp_size,
-        )
         convert_drafter(
             args.src,
             args.out,
             to=args.to,
-            check=check,
+            check=_export_check(args),
             quantize=args.quantize,
             bits=args.bits,
             group_size=args.group_size,

@@ -3,15 +3,15 @@
 Any of the three layouts (`drafter_formats`) converts into any other:
 
 * into **mlx-redrafter** (the default): a drafter folder that `Drafter.load` opens,
-  optionally quantized or in another dtype. A folder this converter exported
-  with a reduced vocabulary comes back exactly (`reduce_vocabulary`).
-* into **reference** or **tensorrt-llm**: float weights in that layout; a reduced
-  vocabulary becomes a full-vocabulary head (`expand_vocabulary`). The n-gram
-  table, acceptance table and draft-vocabulary order ride along in the export's
-  `mlx_redrafter/` side folder (no loader of those formats reads it). The
-  converter then compares the exported drafter with the original on sampled
-  target states (`agreement`), prints the agreement, and refuses to publish an
-  export whose drafts differ.
+  optionally quantized or in another dtype (a quantized source stays quantized).
+  A folder this converter exported comes back exactly (`reduce_vocabulary`).
+* into **reference** or **tensorrt-llm**: float weights in that layout (a quantized
+  drafter dequantized); a reduced vocabulary becomes a full-vocabulary head
+  (`expand_vocabulary`). The n-gram table, acceptance table and draft-vocabulary
+  order ride along in the export's `mlx_redrafter/` side folder (no loader of
+  those formats reads it). The converter then compares the exported drafter with
+  the original on sampled target states (`agreement`), prints the agreement, and
+  refuses to publish an export whose drafts differ.
 
 Every read is checked by loading the result through `Drafter.load`, and every
 output is written to a work folder first and renamed into place.
@@ -37,9 +37,11 @@ from .drafter_formats import (
     FORMATS,
     SIDE_FILES,
     Checkpoint,
+    ExportChanged,
     expand_vocabulary,
     read_checkpoint,
     reduce_vocabulary,
+    tensorrt_tensors,
     write_reference,
     write_tensorrt,
 )
@@ -71,6 +73,26 @@ class ExportCheck:
     tp_size: int = 1
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        def whole(value: object, low: int) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+        if not whole(self.tp_size, 1):
+            raise ConversionError(
+                f"--tp-size must be a positive number of tensor-parallel ranks, not "
+                f"{self.tp_size!r}: use 1 for a single GPU"
+            )
+        if not whole(self.samples, 1):
+            raise ConversionError(f"--samples must be a positive integer, not {self.samples!r}")
+        if not whole(self.beam_rows, 0):
+            raise ConversionError(f"beam_rows must be an integer >= 0, not {self.beam_rows!r}")
+        shape = tuple(self.beams) if isinstance(self.beams, (tuple, list)) else ()
+        if len(shape) != 2 or not whole(shape[0], 1) or not whole(shape[1], 2):
+            raise ConversionError(
+                f"--beams must be WxL with a width W >= 1 and a length L >= 2 (such as 8x5), "
+                f"not {self.beams!r}"
+            )
+
 
 def _check_options(to: str, quantize: bool, bits: int, group_size: int, dtype: str | None) -> None:
     if to not in FORMATS:
@@ -101,9 +123,11 @@ def _import(source: Path, dtype: str | None, progress: bool) -> Checkpoint:
     checkpoint = read_checkpoint(source)
     if checkpoint.export is not None:
         try:
+            reduced = checkpoint.export["draft_vocab_size"] is not None
             checkpoint = reduce_vocabulary(checkpoint)
-            note("[drafter] restored the reduced draft vocabulary of an export", enabled=progress)
-        except (ConversionError, KeyError, ValueError) as exc:
+            what = "the reduced draft vocabulary" if reduced else "the exit width"
+            note(f"[drafter] restored {what} of an export", enabled=progress)
+        except ExportChanged as exc:
             note(f"[drafter] kept the full vocabulary: {exc}", enabled=progress)
     if dtype is not None:
         target = getattr(mx, dtype)
@@ -158,6 +182,22 @@ def exported_drafter(checkpoint: Checkpoint) -> Drafter:
     return drafter
 
 
+def _load_model(name: str) -> tuple[Any, Any]:
+    """mlx-lm's (model, tokenizer) for --model, or a one-line ConversionError."""
+    from mlx_lm.utils import load as load_mlx_lm
+
+    try:
+        model, tokenizer = load_mlx_lm(name)[:2]
+    except Exception as exc:  # mlx-lm and huggingface_hub raise many kinds
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise ConversionError(
+            f"cannot load --model {name} ({detail}); it must be an mlx-lm model folder "
+            "(config.json, *.safetensors and the tokenizer files, as `mlx-redrafter-convert "
+            "model` writes) or a Hugging Face Hub id of one"
+        ) from exc
+    return model, tokenizer
+
+
 def sample_states(check: ExportCheck, drafter: Drafter, source: Path) -> States:
     """Target states for the agreement check: from a model when one is known."""
     from mlx_redrafter.loading import DEFAULT_DRAFTER
@@ -170,11 +210,9 @@ def sample_states(check: ExportCheck, drafter: Drafter, source: Path) -> States:
     if model_name is None:
         config = drafter.config
         return random_states(config.hidden_size, config.vocab_size, check.samples, check.seed)
-    from mlx_lm.utils import load as load_mlx_lm
-
     from mlx_redrafter.prompts import MT_BENCH, encode_prompt, read_prompts
 
-    model, tokenizer = load_mlx_lm(model_name)[:2]
+    model, tokenizer = _load_model(model_name)
     try:
         drafter.check_fits(model)
     except ValueError as exc:
@@ -200,8 +238,16 @@ def export_to(
 ) -> Agreement:
     """Write `drafter` in the reference or TensorRT-LLM layout to `result`, after
     checking that the exported weights draft exactly as the drafter does."""
+    width, draft_tokens = check.beams[0], drafter.config.output_size
+    if width > draft_tokens:
+        raise ConversionError(
+            f"--beams {width}x{check.beams[1]}: the width {width} is more than the "
+            f"drafter's {draft_tokens} draft tokens; use a width of at most {draft_tokens}"
+        )
+    tp_size = check.tp_size if to == "tensorrt-llm" else 1
     original = float_checkpoint(drafter, dtype, staged)
-    expanded = expand_vocabulary(original, multiple=8 * check.tp_size)
+    expanded = expand_vocabulary(original, tp_size=tp_size)
+    tensorrt_tensors(expanded, tp_size)  # a split that cannot be done fails before the check
     before = exported_drafter(original)  # the same float weights, before the expansion
     states = sample_states(check, before, source)
     agreement = compare(
@@ -220,7 +266,7 @@ def export_to(
     if to == "reference":
         write_reference(expanded, result)
     else:
-        write_tensorrt(expanded, result, check.tp_size, check.beams)
+        write_tensorrt(expanded, result, tp_size, check.beams)
     return agreement
 
 
@@ -237,12 +283,32 @@ def convert_drafter(
     progress: bool = True,
     check: ExportCheck | None = None,
 ) -> Path:
-    """Convert the drafter folder `src` (any of FORMATS) into `out` in format `to`."""
+    """Convert the drafter folder `src` (any of FORMATS) into `out` in format `to`.
+
+    check: how an export is checked and shaped; only for `to` reference/tensorrt-llm.
+    """
     _check_options(to, quantize, bits, group_size, dtype)
+    if check is not None and to == "mlx-redrafter":
+        raise ConversionError(
+            "the export check (model, prompts, samples, beams, tp_size) applies only to "
+            "to='reference' or 'tensorrt-llm'; drop it for to='mlx-redrafter'"
+        )
+    if check is not None and to == "reference" and check.tp_size != 1:
+        raise ConversionError(
+            "--tp-size applies only to --to tensorrt-llm (the reference layout is one "
+            "file): drop it, or export --to tensorrt-llm"
+        )
     source = _source_folder(src)
     out = Path(out).expanduser()
     check_destination(out, force=force)
     checkpoint = _import(source, dtype, progress)
+    quantized = checkpoint.config.get("quantization")
+    if quantize and quantized:
+        raise ConversionError(
+            f"{source} is already quantized ({quantized['bits']} bits, groups of "
+            f"{quantized['group_size']}): drop --quantize to copy it as it is, or quantize "
+            "the drafter's float checkpoint"
+        )
     floats = [v.dtype for v in checkpoint.weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     with work_directory(out) as work:
         drafter = _stage(checkpoint, work / "source", source)
