@@ -24,12 +24,11 @@ from dataclasses import dataclass, replace
 import mlx.nn as nn
 import numpy as np
 
-from .calibrate import Calibration, cached_calibration
+from .calibrate import DEPTH, Calibration, cached_calibration
 from .config import PLAIN_DECODING, TreeConfig
 from .drafter import Drafter
 from .metrics import AcceptanceTable
 
-DEPTH = 9  # deepest drafted token the estimates follow
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps

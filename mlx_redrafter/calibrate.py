@@ -35,8 +35,9 @@ from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .files import write_json
 from .target import TargetCache, context_length, output_logits, prepare_target, target_hidden
-from .tree import PackedTree, chain_tree
+from .tree import chain_tree
 
+DEPTH = 9  # deepest drafted token of any tree: a step emits at most DEPTH + 1 tokens
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # N: packed tokens per step
 CONTEXTS = (256, 1024)  # T: context bands; the cost between them is interpolated
 DRAFT_WIDTHS = (1, 2, 4, 8)  # W: beam widths the drafter's cost is measured at
@@ -200,10 +201,15 @@ def _time(run: Callable[[], Any], repeats: int) -> float:
 
 
 def _verify_curve(
-    model: nn.Module, context: int, sizes: Sequence[int], repeats: int
+    model: nn.Module,
+    context: int,
+    sizes: Sequence[int],
+    repeats: int,
+    ceiling: float = float("inf"),
 ) -> tuple[float, ...]:
     """Seconds of a verification forward (logits and their argmax) over N tokens after
-    a context of `context` random tokens, for each N in `sizes`."""
+    a context of `context` random tokens, for N in `sizes` (`sweep`: up to the first N
+    that costs more than `ceiling` times N = 1)."""
     vocab = int(model.model.embed_tokens.weight.shape[0])
     cache = TargetCache(model, 1, CacheConfig())
     prompt = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0)).astype(mx.int32)
@@ -211,16 +217,34 @@ def _verify_curve(
         chunk = prompt[:, start : start + 512]  # (1, C)
         mx.eval(target_hidden(model, cache, chain_tree(chunk), causal=True))
         cache.commit([list(range(chunk.shape[1]))], [chunk.shape[1]])
-    seconds = []
-    for size in sizes:
+
+    def seconds(size: int) -> float:
         tree = chain_tree(prompt[:, :size])  # (1, N): a tree's cost does not depend on its shape
 
-        def verify(tree: PackedTree = tree) -> mx.array:
+        def verify() -> mx.array:
             logits = output_logits(model, target_hidden(model, cache, tree))  # (1, N, V)
             return mx.argmax(logits, axis=-1)
 
-        seconds.append(_time(verify, repeats))
-    return tuple(seconds)
+        return _time(verify, repeats)
+
+    return sweep(sizes, seconds, ceiling)
+
+
+def sweep(
+    sizes: Sequence[int], seconds: Callable[[int], float], ceiling: float
+) -> tuple[float, ...]:
+    """`seconds(N)` for N in `sizes` (ascending, from 1), stopping after the first N
+    whose cost exceeds `ceiling` times N = 1's (and after two sizes at least): no step
+    emits more than `ceiling` tokens, so no larger tree can beat plain decoding, and
+    `Calibration.verify_seconds` extrapolates past the last N measured. Where
+    verification is linear in N (quantized weights on a CPU) this measures 8 sizes,
+    not 12, and the cheapest ones."""
+    measured: list[float] = []
+    for size in sizes:
+        measured.append(seconds(size))
+        if len(measured) >= 2 and measured[-1] > ceiling * measured[0]:
+            break
+    return tuple(measured)
 
 
 def _draft_costs(
@@ -282,7 +306,9 @@ def measure(
     limit = context_length(model)
     usable = max(sizes) + 8
     bands = sorted({c if limit is None else max(1, min(c, limit - usable)) for c in contexts})
-    verify = tuple(_verify_curve(model, band, sizes, repeats) for band in bands)
+    first = _verify_curve(model, bands[0], sizes, repeats, ceiling=DEPTH + 1)
+    sizes = sizes[: len(first)]  # the larger trees cannot pay here: not measured
+    verify = (first, *(_verify_curve(model, band, sizes, repeats) for band in bands[1:]))
     widths, first, level = (
         ((), (), ()) if drafter is None else _draft_costs(model, drafter, repeats)
     )

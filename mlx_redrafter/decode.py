@@ -50,6 +50,7 @@ class DecodeState:
         ones at [0, lengths[b]), the root at lengths[b] (what lookup branches search).
     drafted: the next step's candidates, drafted ahead (`prefetch`), with the step
         functions that drafted them.
+    ahead: the next plain step's forward, launched ahead (`launch_plain`).
     """
 
     cache: TargetCache
@@ -60,6 +61,7 @@ class DecodeState:
     keys: mx.array
     history: mx.array
     drafted: tuple[StepFunctions, mx.array] | None = None
+    ahead: PlainForward | None = None
 
     def prefetch(self, steps: StepFunctions, beams: mx.array) -> None:
         """Keep the next step's candidates (B, W + G, L), drafted ahead and evaluated
@@ -77,6 +79,7 @@ class DecodeState:
     def select_rows(self, rows: list[int]) -> None:
         """Keep only the batch rows at the given positions."""
         index = mx.array(rows, dtype=mx.int32)
+        self.ahead = None  # its K/V writes land past the lengths, where they are stale
         if self.drafted is not None:
             self.drafted = (self.drafted[0], self.drafted[1][index])
         self.cache.select_rows(rows)
@@ -89,7 +92,7 @@ class DecodeState:
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
-        self.drafted = None
+        self.drafted, self.ahead = None, None
         self.cache.extend(other.cache)
         self.root_tokens = mx.concatenate([self.root_tokens, other.root_tokens])
         self.hidden = mx.concatenate([self.hidden, other.hidden.astype(self.hidden.dtype)])
@@ -110,6 +113,11 @@ class DecodeState:
         steps = mx.arange(tokens.shape[1], dtype=mx.int32)
         slots = self.cache.lengths[:, None] + 1 + steps[None, :]  # (B, L)
         self.history = mx.put_along_axis(self.history, slots, tokens, axis=1)
+
+    def replace_roots(self, roots: mx.array) -> None:
+        """Put other roots (B,) at each row's committed length in the history."""
+        slots = self.cache.lengths[:, None]  # (B, 1)
+        self.history = mx.put_along_axis(self.history, slots, roots[:, None], axis=1)
 
     def node_keys(self, positions: mx.array) -> mx.array | None:
         """(B, N, 2) PRNG keys of the nodes at `positions` (B, N); None if all greedy."""
@@ -423,6 +431,7 @@ def decode_step(
     state: DecodeState,
     clock: PhaseClock | None = None,
     prefetch: bool = True,
+    look_ahead: bool = False,
 ) -> StepOutput:
     """One speculative step for every row, with one host sync at the end (a second
     only when greedy choices meet near-equal logits; one per phase when a profiling
@@ -430,9 +439,12 @@ def decode_step(
 
     prefetch: after the sync, start drafting the next step with `mx.async_eval`, so
     the device works while the host handles this step's tokens (text, stop rules).
+    look_ahead: for a plain step whose next step is plain too, launch that one
+    before this one's sync (`plain_step`).
     """
     if steps.plan.plain:
-        return plain_step(model, state, clock)
+        return plain_step(model, state, clock, look_ahead)
+    state.ahead = None  # a plain forward launched ahead is not this step's
     # Draft: W beams of L tokens, each opened by the row's root token, and G branches.
     beams = state.take_draft(steps)
     if beams is None:
@@ -475,27 +487,72 @@ def decode_step(
     return StepOutput(tokens, num_accepted, host_list(tree.num_tokens), np.array(result.runs))
 
 
-def plain_step(model: nn.Module, state: DecodeState, clock: PhaseClock | None = None) -> StepOutput:
-    """A step of plain decoding: the tree is the root alone, so there is nothing to
-    draft, pack or walk; the target's choice after the root is the step's token.
-    The same forward and choice as a one-token tree, with fewer operations."""
-    state.drafted = None
+@dataclass(frozen=True)
+class PlainForward:
+    """The lazy forward and choice of a plain step (`plain_forward`)."""
+
+    hidden: mx.array  # (B, 1, D)
+    logits: mx.array  # (B, 1, V)
+    keys: mx.array | None  # (B, 1, 2), None when every row is greedy
+    choices: mx.array  # (B, 1) int32
+    unsure: mx.array  # () bool: see `choose_tokens_quickly`
+
+
+def plain_forward(model: nn.Module, state: DecodeState) -> PlainForward:
+    """The target's forward over each row's root and its choice after it (lazy); the
+    K/V of the roots land at the frontier, uncommitted."""
     hidden, logits = target_forward(model, state.cache, chain_tree(state.root_tokens[:, None]))
     keys = state.node_keys(state.cache.positions)  # (B, 1, 2)
     choices, unsure = choose_tokens_quickly(logits, state.sampling, keys)  # (B, 1), ()
-    mx.eval(hidden, choices, unsure)  # the step's one host sync
-    if unsure.item():
-        choices = choose_tokens(logits, state.sampling, keys)
-        mx.eval(choices)
+    return PlainForward(hidden, logits, keys, choices, unsure)
+
+
+def launch_plain(model: nn.Module, state: DecodeState) -> None:
+    """Start the next plain step's forward now, from this step's choices before they
+    are read, as mlx-lm pipelines its steps: the host builds and the device queues
+    step t+1 while step t computes and the host handles its tokens. `plain_step`
+    takes it; a change of rows (`select_rows`, `extend`) or a tree step drops it."""
+    forward = plain_forward(model, state)
+    mx.async_eval(forward.hidden, forward.choices, forward.unsure)
+    state.ahead = forward
+
+
+def plain_step(
+    model: nn.Module,
+    state: DecodeState,
+    clock: PhaseClock | None = None,
+    look_ahead: bool = False,
+) -> StepOutput:
+    """A step of plain decoding: the tree is the root alone, so there is nothing to
+    draft, pack or walk; the target's choice after the root is the step's token.
+    The same forward and choice as a one-token tree, with fewer operations.
+
+    look_ahead: the next step is plain too; launch it (`launch_plain`) before this
+    step's sync. The cache commit of a plain step needs nothing from the device.
+    """
+    state.drafted = None
+    forward, state.ahead = state.ahead or plain_forward(model, state), None
+    state.hidden = forward.hidden[:, 0]  # (B, D)
+    state.root_tokens = forward.choices[:, 0]  # (B,)
+    state.record(forward.choices)
+    batch_size = forward.choices.shape[0]
+    state.cache.commit([[0]] * batch_size, [1] * batch_size)
+    if look_ahead and clock is None:
+        launch_plain(model, state)
+    mx.eval(forward.hidden, forward.choices, forward.unsure)  # the step's one host sync
+    tokens = host_rows(forward.choices)
+    if forward.unsure.item():
+        # Rare: near-equal logits; choose exactly as mlx-lm does, and if that changes
+        # a token, drop the step launched ahead from the quick choice.
+        exact = choose_tokens(forward.logits, state.sampling, forward.keys)  # (B, 1)
+        if host_rows(exact) != tokens:
+            tokens, state.ahead = host_rows(exact), None
+            state.root_tokens = exact[:, 0]
+            state.replace_roots(state.root_tokens)
     if clock:
         clock.mark("verify")
-    state.hidden = hidden[:, 0]  # (B, D)
-    state.root_tokens = choices[:, 0]  # (B,)
-    state.record(choices)
-    batch_size = choices.shape[0]
-    state.cache.commit([[0]] * batch_size, [1] * batch_size)
     zeros = np.zeros((batch_size, 1), dtype=np.int64)
-    return StepOutput(host_rows(choices), [0] * batch_size, [1] * batch_size, zeros)
+    return StepOutput(tokens, [0] * batch_size, [1] * batch_size, zeros)
 
 
 def host_list(values: mx.array) -> list[int]:

@@ -195,6 +195,13 @@ class RowProgress:
             reason = "length"
         return tokens, len(tokens) + (reason == "stop"), reason
 
+    def may_end(self, count: int, committed: int, depth: int, limit: int | None) -> bool:
+        """Whether `take` ends the row on `count` more tokens by max_tokens or the
+        context (`committed`: its length after them), whatever the tokens are."""
+        return self.generated + count >= self.max_tokens or (
+            limit is not None and committed + depth > limit
+        )
+
 
 @dataclass
 class _Row:
@@ -319,6 +326,7 @@ class DecodingSession:
         self._rows: dict[int, _Row] = {}
         self._unstarted: list[Update] = []
         self._functions: dict[TreeConfig, StepFunctions] = {}
+        self._planned: tuple[int, TreeConfig] | None = None  # (batch size, next tree)
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -453,7 +461,7 @@ class DecodingSession:
         updates = self._unstarted + [
             self._update(r, [], "", 0, reason) for r in self._rows.values()
         ]
-        self._rows, self._unstarted, self.state = {}, [], None
+        self._rows, self._unstarted, self.state, self._planned = {}, [], None, None
         return updates
 
     # -- steps ----------------------------------------------------------------------
@@ -467,7 +475,11 @@ class DecodingSession:
         return self._functions[tree]
 
     def choose_tree(self, batch_size: int) -> TreeConfig:
-        """The tree of the next step (the policy's choice)."""
+        """The tree of the next step (the policy's choice, or the one planned when
+        the previous step looked ahead)."""
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] == batch_size:
+            return planned[1]
         if self.state is None:
             return self.policy.choose(batch_size)
         sampled = not all(rule.greedy for rule in self.state.sampling)
@@ -486,8 +498,9 @@ class DecodingSession:
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
+        look_ahead = self._look_ahead(state, tree)
         with mx.stream(generation_stream()):
-            output = decode_step(self.model, steps, state, self.clock, self.prefetch)
+            output = decode_step(self.model, steps, state, self.clock, self.prefetch, look_ahead)
         seconds = time.perf_counter() - started
         used = PLAIN_DECODING if steps.plan.plain else tree
         self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
@@ -512,6 +525,26 @@ class DecodingSession:
         elif len(keep) != batch_size:
             state.select_rows(keep)
         return updates
+
+    def _look_ahead(self, state: DecodeState, tree: TreeConfig) -> bool:
+        """Whether a plain step of `tree` should launch the next step before its sync:
+        the next tree (chosen now) is plain and no row reaches max_tokens or the
+        context on this step. A row that ends on an EOS or a stop string drops the
+        launched step, as mlx-lm's loop computes one token past its EOS."""
+        if not self.prefetch or self.clock is not None:
+            return False
+        if not self.step_functions(tree).plan.plain:
+            return False
+        rows = [self._rows[request_id] for request_id in state.row_ids]
+        lengths = state.cache.host_lengths
+        if any(
+            row.progress.may_end(1, length + 1, self.depth, self.limit)
+            for row, length in zip(rows, lengths)
+        ):
+            return False
+        next_tree = self.choose_tree(len(rows))
+        self._planned = (len(rows), next_tree)
+        return self.step_functions(next_tree).plan.plain
 
     def _count(self, tree: TreeConfig, batch_size: int) -> None:
         self.stats.steps += 1

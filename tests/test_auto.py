@@ -24,11 +24,13 @@ from mlx_redrafter.auto import (
     prior_cube,
 )
 from mlx_redrafter.calibrate import (
+    DEPTH,
     SIZES,
     Calibration,
     CalibrationKey,
     cached_calibration,
     format_calibration,
+    sweep,
 )
 from mlx_redrafter.config import PLAIN_DECODING
 from mlx_redrafter.drafter import Drafter, DrafterError
@@ -241,6 +243,27 @@ def test_interpolation_and_extrapolation_of_the_curve():
     assert calibration.verify_seconds(np.array([3]), 100).tolist() == [3.0]
     assert calibration.verify_seconds(np.array([8]), 100).tolist() == [8.0]  # past N=4
     assert calibration.verify_seconds(np.array([1]), 200).tolist() == [2.0]  # between bands
+
+
+def test_the_sweep_stops_where_no_larger_tree_can_pay():
+    """Linear verification (quantized weights on a CPU) stops the sweep once N costs more
+    than a step can emit tokens; the largest trees of that linear curve still lose to
+    plain decoding when extrapolated, and a flat curve is measured to the end."""
+    asked: list[int] = []
+
+    def linear(size: int) -> float:
+        asked.append(size)
+        return 0.01 * size
+
+    measured = sweep(SIZES, linear, ceiling=DEPTH + 1)
+    assert asked == [1, 2, 3, 4, 6, 8, 12]  # 12 > 10: nothing larger is timed
+    assert len(measured) == len(asked)
+    sizes = SIZES[: len(measured)]
+    truncated = Calibration(KEY, sizes, (256,), (measured,), lookup=0.0)
+    assert truncated.verify_seconds(np.array([64]), 256).tolist() == pytest.approx([0.64])
+    tree = AutoTree(truncated, candidate_trees(True), GOOD_DRAFTER).choose(1)
+    assert tree == PLAIN_DECODING
+    assert len(sweep(SIZES, lambda size: 0.01 + 0.0001 * size, ceiling=DEPTH + 1)) == len(SIZES)
 
 
 # -- acceptance tables ---------------------------------------------------------------------

@@ -10,7 +10,15 @@ import mlx.core as mx
 import pytest
 from conftest import mlx_lm_greedy
 
-from mlx_redrafter import DecodingSession, Request, SamplingConfig, StopConfig, TreeConfig
+from mlx_redrafter import (
+    DecodingSession,
+    PromptCache,
+    Request,
+    SamplingConfig,
+    StopConfig,
+    TreeConfig,
+)
+from mlx_redrafter.config import PLAIN_DECODING
 
 
 def test_greedy_rows_without_a_key_share_a_batch_with_sampled_rows(trained_llama):
@@ -76,3 +84,127 @@ def test_sessions_share_one_generation_stream_per_thread(trained_llama):
     for _ in range(5):
         list(DecodingSession(model, drafter).run([request]))
     assert len(os.listdir("/proc/self/task")) == before
+
+
+class _Alternating:
+    """A tree choice that switches between plain decoding and a tree by the context
+    length, so that plain forwards launched ahead are taken, and dropped before tree
+    steps (the same tokens give the same choices, however often it is asked)."""
+
+    def __init__(self, tree: TreeConfig, pattern: str):
+        self.tree, self.pattern = tree, pattern
+
+    @property
+    def trees(self) -> list[TreeConfig]:
+        return [PLAIN_DECODING, self.tree]
+
+    def describe(self) -> str:
+        return f"alternating {self.pattern}"
+
+    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+        return self.tree if self.pattern[context % len(self.pattern)] == "t" else PLAIN_DECODING
+
+    def record(self, tree, batch_size, seconds, runs, context) -> None:
+        pass
+
+
+@pytest.mark.parametrize("pattern", ["p", "ppt", "pt"])
+def test_plain_steps_launched_ahead_give_the_same_tokens(trained_llama, monkeypatch, pattern):
+    """The next plain step is launched before this one's sync (as mlx-lm pipelines):
+    rows ending at different steps (max tokens, EOS, a stop string), a
+    row joining, a sampled row and tree steps in between leave every token as it is
+    without looking ahead, and greedy rows as mlx-lm decodes them."""
+    from mlx_redrafter import decode as decode_module
+
+    launched: list[int] = []
+    real_launch = decode_module.launch_plain
+
+    def counting_launch(model, state):
+        launched.append(len(state.row_ids))
+        real_launch(model, state)
+
+    monkeypatch.setattr(decode_module, "launch_plain", counting_launch)
+    model, drafter, prompts = trained_llama
+    # A row that meets its EOS as its 9th token, and not before.
+    ending = next(p for p in prompts[2:] if len(set(mlx_lm_greedy(model, p, 9))) == 9)
+    eos = mlx_lm_greedy(model, ending, 9)[-1]
+    requests = [
+        Request(prompts[0], stop=StopConfig(12)),
+        Request(prompts[1], SamplingConfig(temperature=0.8), StopConfig(25), mx.random.key(4)),
+        Request(ending, stop=StopConfig(30, frozenset({eos}))),
+    ]
+    joining = Request(prompts[3], stop=StopConfig(12))
+
+    def decode(prefetch: bool) -> dict[int, list[int]]:
+        choice = _Alternating(TreeConfig(2, 3), pattern)
+        session = DecodingSession(model, drafter, tree=choice, prefetch=prefetch)
+        session.add(requests)
+        outputs: dict[int, list[int]] = {}
+        for step in range(200):
+            if step == 1:
+                session.add([joining], ids=[9])
+            if step == 6:
+                session.cancel(1)  # the sampled row leaves with a forward launched ahead
+            for update in session.step():
+                outputs.setdefault(update.request, []).extend(update.tokens)
+            if not session.active:
+                break
+        return outputs
+
+    ahead = decode(prefetch=True)
+    assert launched, "no plain forward was launched ahead"
+    assert pattern != "p" or max(launched) == 4  # plain throughout: with the joined row
+    count = len(launched)
+    assert ahead == decode(prefetch=False)
+    assert len(launched) == count  # without prefetch nothing is launched ahead
+    assert ahead[0] == mlx_lm_greedy(model, prompts[0], 12)
+    assert ahead[2] == mlx_lm_greedy(model, ending, 9)[:-1]  # cut at its EOS
+    assert ahead[9] == mlx_lm_greedy(model, prompts[3], 12)
+
+
+def test_a_tree_step_drops_a_plain_forward_launched_ahead(trained_llama):
+    """`decode_step` of a tree after `launch_plain` decodes as if nothing was launched
+    (the launched forward wrote only uncommitted slots)."""
+    from mlx_redrafter.config import CacheConfig
+    from mlx_redrafter.decode import decode_step, launch_plain, prefill, step_functions
+
+    model, drafter, prompts = trained_llama
+    tree = step_functions(model, drafter, TreeConfig(2, 3))
+    plain = step_functions(model, drafter, PLAIN_DECODING)
+    outputs = []
+    for launch in (False, True):
+        state = prefill(model, prompts[:3], CacheConfig())
+        tokens = []
+        for _ in range(4):
+            if launch:
+                launch_plain(model, state)
+            tokens.append(decode_step(model, tree, state, prefetch=False).tokens)
+            tokens.append(decode_step(model, plain, state, prefetch=False).tokens)
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
+
+
+def test_a_quick_choice_corrected_after_the_sync_drops_the_step_launched_from_it(
+    trained_llama, monkeypatch
+):
+    """When the quick greedy choice is unsure and the exact one differs, the plain step
+    launched ahead from the quick one is dropped and the history takes the exact root."""
+    from mlx_redrafter import decode as decode_module
+
+    def wrong_and_unsure(logits, sampling, keys):
+        second = mx.argsort(logits, axis=-1)[..., -2].astype(mx.int32)  # (B, N)
+        return second, mx.array(True)
+
+    monkeypatch.setattr(decode_module, "choose_tokens_quickly", wrong_and_unsure)
+    model, _, prompts = trained_llama
+    session = DecodingSession(model, None, tree="plain")
+    caches = [PromptCache(), PromptCache()]  # they take each row's history when it ends
+    requests = [Request(p, stop=StopConfig(16), prefix=c) for p, c in zip(prompts, caches)]
+    outputs: dict[int, list[int]] = {}
+    for update in session.run(requests):
+        outputs.setdefault(update.request, []).extend(update.tokens)
+    for row in (0, 1):
+        assert outputs[row] == mlx_lm_greedy(model, prompts[row], 16)
+        text = list(prompts[row]) + outputs[row]
+        assert len(caches[row].tokens) >= len(prompts[row]) + 14
+        assert caches[row].tokens == text[: len(caches[row].tokens)]
