@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx_redrafter.config import DEFAULT_TREE, CacheConfig, SamplingConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.policy import SpeedGuard, TreePolicy
+from mlx_redrafter.prompt_cache import PrefixStore, PromptCache
 from mlx_redrafter.session import DecodingSession, Request, Update, stop_config, wired_limit
 
 
@@ -71,6 +72,10 @@ class Batcher:
     (more requests wait their turn, at most max_queue of them: None is unbounded);
     guard: a `SpeedGuard` that decodes plainly where a fixed policy's tree measurably
     does not pay (None: always the policy's tree);
+    prefill_chunk: while rows decode, a new prompt is prefilled this many tokens
+    between two steps (None: whole, so a long prompt stalls the running rows).
+    prefixes: the prefix cache (None: every prompt is prefilled whole): a request
+    reuses the K/V of the longest prefix it shares with a finished one.
     seed: the sampling stream of the worker (None: random). A request's `seed` gives
     it its own key, so a seeded sampled request is reproducible whatever shares its
     batch; unseeded ones take the next key of the worker's stream.
@@ -87,6 +92,8 @@ class Batcher:
         seed: int | None = None,
         guard: SpeedGuard | None = None,
         max_queue: int | None = None,
+        prefixes: PrefixStore | None = None,
+        prefill_chunk: int | None = None,
     ):
         self.session = DecodingSession(
             model,
@@ -95,6 +102,7 @@ class Batcher:
             tree=policy if policy is not None else DEFAULT_TREE,
             cache=cache_config,
             guard=guard,
+            prefill_chunk=prefill_chunk,
         )
         # MLX streams belong to threads: weights still lazy here could not be evaluated
         # on the worker thread, so evaluate them on this one.
@@ -103,6 +111,8 @@ class Batcher:
         self.policy = self.session.policy
         self.max_batch = max_batch
         self.max_queue = max_queue
+        self.prefixes = prefixes
+        self._prompt_caches: dict[int, PromptCache] = {}
         self.context_limit = self.session.limit
         self.stats = BatcherStats()
         self._key = mx.random.key(seed if seed is not None else secrets.randbits(32))
@@ -181,6 +191,7 @@ class Batcher:
             for job in jobs + waiting + list(self._jobs.values()):  # never decoded
                 self._deliver(job, Update.unstarted(job.id, len(job.prompt), "cancelled"))
             self._jobs.clear()
+            self._prompt_caches.clear()
             return False
         jobs = [job for job in jobs if not self._drop_if_cancelled(job)]
         try:
@@ -198,12 +209,17 @@ class Batcher:
             for job in list(self._jobs.values()) + [j for j in jobs if j.id not in self._jobs]:
                 self._deliver(job, Update.unstarted(job.id, len(job.prompt), "error", message))
             self._jobs.clear()
+            self._prompt_caches.clear()
         return True
 
     def _finish_or_continue(self, update: Update) -> None:
         job = self._jobs[update.request]
         if update.finish_reason is not None:
             del self._jobs[update.request]
+            finished = self._prompt_caches.pop(update.request, None)
+            ended_well = update.finish_reason in ("stop", "length")
+            if self.prefixes is not None and finished is not None and ended_well:
+                self.prefixes.add(finished)
             self.stats.finished += 1
             self.stats.cancelled += update.finish_reason == "cancelled"
         self._deliver(job, update)
@@ -230,6 +246,7 @@ class Batcher:
                 job.sampling,
                 stop_config(self.tokenizer, job.max_tokens, job.stop),
                 self._job_key(job),
+                self._prompt_cache(job),
             )
             for job in jobs
         ]
@@ -239,6 +256,13 @@ class Batcher:
         self.session.add(requests, ids=[job.id for job in jobs])
         self.stats.admitted += len(jobs)
         self.stats.joined += len(jobs) if joining else 0
+
+    def _prompt_cache(self, job: Job) -> PromptCache | None:
+        """The job's own prompt cache, primed from the prefix cache (None without one)."""
+        if self.prefixes is None:
+            return None
+        self._prompt_caches[job.id] = self.prefixes.lookup(job.prompt)
+        return self._prompt_caches[job.id]
 
     @staticmethod
     def _deliver(job: Job, update: Update) -> None:

@@ -13,7 +13,13 @@
         speculation off, on with the --tree policy as is ("fixed"), and on with the
         speed guard the server uses by default ("guarded"); prints throughput and latency.
 
-Both load the embedded default model unless --model is given. Everything stays on
+    python -m mlx_redrafter.apps.loadtest stall [--prompt-tokens 1024,4096] [--prefill-latency 0.5]
+        One request decodes; a long prompt joins. For whole prefills and for chunks
+        sized to --prefill-latency from the calibrated cost (as `serve` does), prints the
+        running request's longest pause between two updates (the time `add` takes,
+        then each step) and the long prompt's time to its first token.
+
+All load the embedded default model unless --model is given. Everything stays on
 127.0.0.1; request counts and a wall-clock limit bound the run.
 """
 
@@ -273,6 +279,63 @@ def http_load(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass
+class Stall:
+    """What a running request saw while a long prompt joined."""
+
+    chunk: int | None
+    longest_pause: float  # seconds between two of the running request's updates
+    first_token: float  # the long prompt's seconds to its first update
+
+
+def measure_stall(
+    model: Any, drafter: Drafter | None, tokenizer: Any, length: int, chunk: int | None
+) -> Stall:
+    """A request decodes (in the decoding session the server's worker drives); a
+    `length`-token prompt joins: how long the running request waits between two
+    updates until the long one has its first token."""
+    session = DecodingSession(model, drafter, tokenizer, prefill_chunk=chunk)
+    prompt = tokenizer.encode("Tell me a long story about a lighthouse.")
+    session.add([Request(prompt, stop=StopConfig(100_000))], ids=[0])  # no EOS: runs on
+    for _ in range(3):
+        session.step()
+    vocab = int(model.model.embed_tokens.weight.shape[0])
+    long_prompt = [int(t) for t in mx.random.randint(0, vocab, (length,), key=mx.random.key(5))]
+    submitted = last = time.perf_counter()
+    session.add([Request(long_prompt, stop=StopConfig(1))], ids=[1])
+    pauses = []
+    while True:
+        updates = session.step()
+        now = time.perf_counter()
+        pauses.append(now - last)
+        last = now
+        if any(update.request == 1 for update in updates):
+            break
+    session.close()
+    return Stall(chunk, max(pauses), last - submitted)
+
+
+def stall(args: argparse.Namespace) -> int:
+    from mlx_redrafter.commands.serve import chunk_for_latency
+
+    model, drafter, tokenizer = load_models(args)
+    chunk = chunk_for_latency(model, drafter, args.prefill_latency)
+    print(
+        "| prompt tokens | prefill | running request's longest pause (s) "
+        "| long prompt's first token (s) |"
+    )
+    print("| --- | --- | --- | --- |")
+    for length in (int(n) for n in args.prompt_tokens.split(",")):
+        for size in (None, chunk):
+            result = measure_stall(model, drafter, tokenizer, length, size)
+            label = "whole" if size is None else f"chunks of {size}"
+            print(
+                f"| {length} | {label} | {result.longest_pause:.2f} | {result.first_token:.2f} |",
+                flush=True,
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_redrafter.apps.loadtest",
@@ -299,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--tree", default=DEFAULT_TREE, help="tree or policy when speculation is on")
     load.add_argument("--time-limit", type=float, default=1800, help="seconds for everything")
     load.set_defaults(run=http_load)
+    pause = sub.add_parser("stall", help="how long a long prompt pauses a running request")
+    pause.add_argument("--prompt-tokens", default="1024,4096")
+    pause.add_argument("--prefill-latency", type=float, default=0.5)
+    pause.set_defaults(run=stall)
     args = parser.parse_args(argv)
     return int(args.run(args))
 

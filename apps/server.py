@@ -374,12 +374,13 @@ class Server:
         }
 
     @staticmethod
-    def usage(update: Update) -> dict[str, int]:
+    def usage(update: Update) -> dict[str, Any]:
         metrics = update.metrics
         return {
             "prompt_tokens": metrics.prompt_tokens,
             "completion_tokens": metrics.generated,
             "total_tokens": metrics.prompt_tokens + metrics.generated,
+            "prompt_tokens_details": {"cached_tokens": metrics.cached_tokens},
         }
 
     def start(

@@ -29,7 +29,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
@@ -124,8 +124,11 @@ class Calibration:
 
 
 def _extrapolate(x: np.ndarray, xs: Sequence[int], ys: Sequence[float]) -> np.ndarray:
-    """Linear through the last two points (cost keeps growing past the largest N)."""
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    """Past the largest N: linear through the last two points, but never growing
+    slower than proportionally to N (a forward of many tokens is compute-bound; noise
+    may make the last two points flat or falling, which would make wide trees and
+    large batches look free)."""
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), ys[-1] / xs[-1])
     return ys[-1] + slope * (np.asarray(x) - xs[-1])
 
 
@@ -211,12 +214,8 @@ def _verify_curve(
     a context of `context` random tokens, for N in `sizes` (`sweep`: up to the first N
     that costs more than `ceiling` times N = 1)."""
     vocab = int(model.model.embed_tokens.weight.shape[0])
-    cache = TargetCache(model, 1, CacheConfig())
     prompt = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0)).astype(mx.int32)
-    for start in range(0, context, 512):
-        chunk = prompt[:, start : start + 512]  # (1, C)
-        mx.eval(target_hidden(model, cache, chain_tree(chunk), causal=True))
-        cache.commit([list(range(chunk.shape[1]))], [chunk.shape[1]])
+    cache = _random_context(model, prompt)
 
     def seconds(size: int) -> float:
         tree = chain_tree(prompt[:, :size])  # (1, N): a tree's cost does not depend on its shape
@@ -228,6 +227,26 @@ def _verify_curve(
         return _time(verify, repeats)
 
     return sweep(sizes, seconds, ceiling)
+
+
+def _random_context(model: nn.Module, prompt: mx.array) -> TargetCache:
+    """A one-row cache whose T committed slots hold random keys and values (T: the
+    prompt's length): attention costs the same whatever they hold, and a real prefill
+    would take minutes where the forward is linear in its tokens (quantized weights
+    on a CPU). One token runs through the model to give each layer its K/V shapes."""
+    cache = TargetCache(model, 1, CacheConfig())
+    mx.eval(target_hidden(model, cache, chain_tree(prompt[:, :1]), causal=True))
+    context = prompt.shape[1]
+
+    def widen(x: mx.array) -> mx.array:  # (1, H, 1, Dh) -> (1, H, T, Dh)
+        shape = (x.shape[0], x.shape[1], context, x.shape[3])
+        return mx.random.normal(shape, key=mx.random.key(context)).astype(x.dtype)
+
+    for layer in cache.layers:
+        layer.keys, layer.values = tree_map(widen, layer.keys), tree_map(widen, layer.values)
+    mx.eval(cache.arrays())
+    cache.commit([list(range(context))], [context])
+    return cache
 
 
 def sweep(
@@ -326,6 +345,16 @@ def measure(
         sample=sample,
         seconds=time.perf_counter() - started,
     )
+
+
+def prefill_chunk(calibration: Calibration, seconds: float, context: int = 1024) -> int:
+    """The most prompt tokens (a multiple of 64, at least 64, at most 8192) one prefill
+    chunk may take so that it costs about `seconds` at context `context`, from the
+    calibrated verification cost (extrapolated past its largest N)."""
+    sizes = np.arange(64, 8192 + 1, 64)
+    cost = calibration.verify_seconds(sizes, context)
+    fits = sizes[cost <= seconds]
+    return int(fits[-1]) if len(fits) else 64
 
 
 # -- the cache ---------------------------------------------------------------------

@@ -136,6 +136,79 @@ class StepOutput:
     runs: np.ndarray  # (B, W + G) drafted tokens each candidate had accepted
 
 
+class Prefill:
+    """Prompts being committed, chunk by chunk (`advance`), so that a session can run
+    decoding steps of other rows between the chunks of a long prompt.
+
+    Every prompt but its last token is committed; the last token roots the first
+    tree. Rows of different lengths are right-padded per chunk; padding is never
+    committed. Arguments as in `prefill`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        prompts: Sequence[Sequence[int]],
+        cache_config: CacheConfig,
+        sampling: SamplingConfig | Sequence[SamplingConfig] = GREEDY,
+        row_ids: Sequence[int] | None = None,
+        keys: mx.array | None = None,
+        reuse: Sequence[tuple[TargetCache, int] | None] | None = None,
+    ):
+        batch_size = len(prompts)
+        rules = [sampling] * batch_size if isinstance(sampling, SamplingConfig) else list(sampling)
+        if len(rules) != batch_size:
+            raise ValueError(f"{len(rules)} sampling configs for {batch_size} prompts")
+        self.model, self.prompts, self.rules = model, prompts, rules
+        self.chunk = cache_config.prefill_step_size
+        self.row_ids = list(range(batch_size)) if row_ids is None else list(row_ids)
+        self.keys = row_keys(keys, rules)
+        self.cache, starts = _starting_cache(model, batch_size, cache_config, reuse)
+        embedding = model.model.embed_tokens(mx.array([0]))  # (1, D), for D and the dtype
+        self.hidden = mx.zeros((batch_size, embedding.shape[-1]), dtype=embedding.dtype)  # (B, D)
+        self.contexts = [list(prompt[start:-1]) for prompt, start in zip(prompts, starts)]
+        self.position = 0  # of the contexts committed so far
+        self.longest = max((len(context) for context in self.contexts), default=0)
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.longest
+
+    @property
+    def remaining(self) -> int:
+        """Positions still to commit (in the longest row)."""
+        return max(self.longest - self.position, 0)
+
+    def advance(self) -> None:
+        """Commit the next chunk (`prefill_step_size` positions) of every row."""
+        start, self.position = self.position, self.position + self.chunk
+        chunks = [context[start : self.position] for context in self.contexts]
+        counts = [len(chunk) for chunk in chunks]
+        width = max(counts)
+        tokens = mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks])  # (B, C)
+        chunk_hidden = target_hidden(self.model, self.cache, chain_tree(tokens), causal=True)
+        count = mx.array(counts, dtype=mx.int32)
+        last = mx.maximum(count - 1, 0)[:, None, None]  # (B, 1, 1)
+        last_hidden = mx.take_along_axis(chunk_hidden, last, axis=1)[:, 0]  # (B, D)
+        keep = (count > 0)[:, None]  # (B, 1): rows whose context ended keep their state
+        self.hidden = mx.where(keep, last_hidden.astype(self.hidden.dtype), self.hidden)
+        self.cache.commit([list(range(width))] * len(chunks), counts)
+        mx.eval(self.hidden, self.cache.arrays())
+
+    def finish(self) -> DecodeState:
+        """The committed rows as a decode state (every chunk must have been advanced)."""
+        assert self.done, "Prefill.finish before its last chunk"
+        prompts = self.prompts
+        root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
+        capacity = _round_up(max(len(prompt) for prompt in prompts) + 1)
+        history = mx.array(
+            [list(prompt) + [0] * (capacity - len(prompt)) for prompt in prompts], dtype=mx.int32
+        )  # (B, capacity)
+        return DecodeState(
+            self.cache, root_tokens, self.hidden, self.row_ids, self.rules, self.keys, history
+        )
+
+
 def prefill(
     model: nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -154,34 +227,10 @@ def prefill(
     slots hold the row's first n prompt tokens (n <= len(prompt) - 2), or None:
     only the rest is prefilled.
     """
-    batch_size = len(prompts)
-    cache, starts = _starting_cache(model, batch_size, cache_config, reuse)
-    embedding = model.model.embed_tokens(mx.array([0]))  # (1, D), for D and the dtype
-    hidden = mx.zeros((batch_size, embedding.shape[-1]), dtype=embedding.dtype)  # (B, D)
-    contexts = [list(prompt[start:-1]) for prompt, start in zip(prompts, starts)]
-    longest = max((len(context) for context in contexts), default=0)
-    for start in range(0, longest, cache_config.prefill_step_size):
-        chunks = [context[start : start + cache_config.prefill_step_size] for context in contexts]
-        counts = [len(chunk) for chunk in chunks]
-        width = max(counts)
-        tokens = mx.array([chunk + [0] * (width - len(chunk)) for chunk in chunks])  # (B, C)
-        chunk_hidden = target_hidden(model, cache, chain_tree(tokens), causal=True)  # (B, C, D)
-        count = mx.array(counts, dtype=mx.int32)
-        last = mx.maximum(count - 1, 0)[:, None, None]  # (B, 1, 1)
-        last_hidden = mx.take_along_axis(chunk_hidden, last, axis=1)[:, 0]  # (B, D)
-        hidden = mx.where((count > 0)[:, None], last_hidden.astype(hidden.dtype), hidden)
-        cache.commit([list(range(width))] * batch_size, counts)
-        mx.eval(hidden, cache.arrays())
-    root_tokens = mx.array([prompt[-1] for prompt in prompts], dtype=mx.int32)  # (B,)
-    capacity = _round_up(max(len(prompt) for prompt in prompts) + 1)
-    history = mx.array(
-        [list(prompt) + [0] * (capacity - len(prompt)) for prompt in prompts], dtype=mx.int32
-    )  # (B, capacity)
-    rules = [sampling] * batch_size if isinstance(sampling, SamplingConfig) else list(sampling)
-    if len(rules) != batch_size:
-        raise ValueError(f"{len(rules)} sampling configs for {batch_size} prompts")
-    ids = list(range(batch_size)) if row_ids is None else list(row_ids)
-    return DecodeState(cache, root_tokens, hidden, ids, rules, row_keys(keys, rules), history)
+    job = Prefill(model, prompts, cache_config, sampling, row_ids, keys, reuse)
+    while not job.done:
+        job.advance()
+    return job.finish()
 
 
 def _starting_cache(

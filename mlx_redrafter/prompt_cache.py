@@ -50,3 +50,61 @@ class PromptCache:
 
     def clear(self) -> None:
         self.cache, self.tokens, self.cached = None, [], 0
+
+
+class PrefixStore:
+    """A server's prefix cache: the K/V of finished requests (prompt and reply), kept
+    within `max_bytes`, the least recently used dropped first.
+
+    A request takes `lookup(prompt)`: a `PromptCache` of its own that holds the entry
+    sharing the longest prefix with its prompt (the entry stays: prefill reads it with
+    `TargetCache.copy_row`, which writes nothing). When the request ends, `add` keeps
+    what that `PromptCache` then holds, and drops the entries it extends. Used by one
+    thread (the server's decode worker).
+    """
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"a prefix cache's size must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.entries: list[PromptCache] = []  # least recently used first
+        self.hits = 0
+        self.lookups = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_size(entry) for entry in self.entries)
+
+    def lookup(self, prompt: Sequence[int]) -> PromptCache:
+        """A new `PromptCache` for a request of this prompt, primed with the entry that
+        shares the longest prefix with it (an empty one if none shares any)."""
+        self.lookups += 1
+        shared = [entry.reusable(prompt) for entry in self.entries]
+        if not shared or max(shared) == 0:
+            return PromptCache()
+        best = self.entries.pop(int(np.argmax(shared)))
+        self.entries.append(best)  # most recently used
+        self.hits += 1
+        return PromptCache(best.cache, list(best.tokens))
+
+    def add(self, finished: PromptCache) -> None:
+        """Keep what a finished request's `PromptCache` holds, within the budget."""
+        if finished.cache is None or _size(finished) > self.max_bytes:
+            return
+        tokens = finished.tokens
+        self.entries = [
+            entry
+            for entry in self.entries
+            if entry.tokens != tokens[: len(entry.tokens)]  # a prefix of the new one
+        ]
+        self.entries.append(PromptCache(finished.cache, list(tokens)))
+        while self.nbytes > self.max_bytes:
+            self.entries.pop(0)
+
+    def clear(self) -> None:
+        self.entries = []
+
+
+def _size(entry: PromptCache) -> int:
+    """Bytes of an entry's K/V."""
+    return 0 if entry.cache is None else sum(a.nbytes for a in entry.cache.arrays())

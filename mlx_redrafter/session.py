@@ -23,7 +23,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -42,10 +42,10 @@ from .config import (
 from .decode import (
     DecodeState,
     PhaseClock,
+    Prefill,
     StepFunctions,
     decode_step,
     plan_step,
-    prefill,
     step_functions,
 )
 from .drafter import Drafter
@@ -290,7 +290,10 @@ class DecodingSession:
     calibrated for this machine on first use), a `TreeConfig` or its notation
     ("1x2+1x7"), a `TreePolicy` (a tree per batch size) or any `TreeChoice`; guard:
     a `SpeedGuard` for a fixed tree or policy, which decodes plainly where the tree
-    measurably does not pay; clock: profile each step's phases.
+    measurably does not pay; clock: profile each step's phases; prefetch: draft (or,
+    between plain steps, launch) the next step before the host handles this one's
+    tokens; prefill_chunk: while rows decode, a joining prompt is committed this
+    many tokens per step, between the steps (None: whole, when it is added).
     """
 
     def __init__(
@@ -306,8 +309,11 @@ class DecodingSession:
         kernels: str | Kernels | None = None,
         clock: PhaseClock | None = None,
         prefetch: bool = True,
+        prefill_chunk: int | None = None,
     ):
         prepare_target(model)
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if drafter is not None:
             drafter.check_fits(model)
         self.policy = tree_choice(tree, model, drafter, guard)
@@ -316,6 +322,7 @@ class DecodingSession:
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
         self.cache_config = cache or CacheConfig()
         self.clock, self.prefetch = clock, prefetch
+        self.prefill_chunk = prefill_chunk
         self.compiled, self.kernels = compiled, kernels
         plans = [plan_step(t, drafter is not None) for t in self.policy.trees]
         self.depth = max(plan.depth for plan in plans)  # the context check looks ahead
@@ -327,6 +334,7 @@ class DecodingSession:
         self._unstarted: list[Update] = []
         self._functions: dict[TreeConfig, StepFunctions] = {}
         self._planned: tuple[int, TreeConfig] | None = None  # (batch size, next tree)
+        self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -386,30 +394,66 @@ class DecodingSession:
         return _Row(request_id, request, progress, text, RequestMetrics(len(request.prompt)))
 
     def _prefill(self, rows: list[_Row]) -> None:
-        started = time.perf_counter()
+        """Start the rows' prefill. With `prefill_chunk`, while other rows decode, each
+        step commits one chunk of it (`_advance_prefill`), so that a long prompt delays
+        the running rows by one chunk per step; otherwise it runs to the end now."""
         # Greedy rows never draw, so a row without a key gets a zero key.
         zero = mx.zeros((2,), dtype=mx.uint32)
         keys = [zero if row.request.key is None else row.request.key for row in rows]
         reuse = [_reusable(row.request) for row in rows]
+        config = self.cache_config
+        if self.prefill_chunk is not None:
+            config = replace(config, prefill_step_size=self.prefill_chunk)
         with mx.stream(generation_stream()):
-            fresh = prefill(
+            job = Prefill(
                 self.model,
                 [list(row.request.prompt) for row in rows],
-                self.cache_config,
+                config,
                 sampling=[row.request.sampling for row in rows],
                 row_ids=[row.id for row in rows],
                 keys=mx.stack(keys),  # (B, 2)
                 reuse=reuse,
             )
-        seconds = time.perf_counter() - started
         for row, entry in zip(rows, reuse):
-            row.metrics.prompt_seconds = seconds
             row.metrics.cached_tokens = 0 if entry is None else entry[1]
             self._rows[row.id] = row
+        self._prefilling.append((job, rows))
+        if self.prefill_chunk is None or not self._decoding:
+            self._advance_prefill(whole=True)
+
+    @property
+    def _decoding(self) -> bool:
+        return self.state is not None and bool(self.state.row_ids)
+
+    def _advance_prefill(self, whole: bool = False) -> None:
+        """Commit the next chunk of the oldest prefill (`whole`: every prefill to its
+        end); a prefill that is done joins the batch."""
+        while self._prefilling:
+            job, rows = self._prefilling[0]
+            started = time.perf_counter()
+            with mx.stream(generation_stream()):
+                if not job.done:
+                    job.advance()
+                seconds = time.perf_counter() - started
+                for row in rows:
+                    row.metrics.prompt_seconds += seconds
+                if job.done:
+                    self._prefilling.pop(0)
+                    self._join(job.finish())
+            if not whole:
+                return
+
+    def _join(self, fresh: DecodeState) -> None:
+        """Append freshly prefilled rows to the batch (those cancelled meanwhile leave)."""
         if self.state is None or not self.state.row_ids:
             self.state = fresh
         else:
             self.state.extend(fresh)
+        keep = [i for i, request_id in enumerate(self.state.row_ids) if request_id in self._rows]
+        if not keep:
+            self.state = None
+        elif len(keep) != len(self.state.row_ids):
+            self.state.select_rows(keep)
 
     def cancel(self, request_id: int) -> None:
         """End a request: it leaves before the next step, whose updates give its last
@@ -423,6 +467,9 @@ class DecodingSession:
         for request_id in request_ids:
             self._rows.pop(request_id, None)
         self._unstarted = [u for u in self._unstarted if u.request not in request_ids]
+        self._prefilling = [
+            (job, rows) for job, rows in self._prefilling if any(r.id in self._rows for r in rows)
+        ]
         if self.state is None:
             return
         keep = [i for i, request_id in enumerate(self.state.row_ids) if request_id in self._rows]
@@ -462,6 +509,7 @@ class DecodingSession:
             self._update(r, [], "", 0, reason) for r in self._rows.values()
         ]
         self._rows, self._unstarted, self.state, self._planned = {}, [], None, None
+        self._prefilling = []
         return updates
 
     # -- steps ----------------------------------------------------------------------
@@ -489,6 +537,8 @@ class DecodingSession:
         """One step of every request in flight; one update per request."""
         updates, self._unstarted = self._unstarted, []
         updates += self._cancelled()
+        if self._prefilling:
+            self._advance_prefill(whole=not self._decoding)
         state = self.state
         if state is None or not state.row_ids:
             return updates

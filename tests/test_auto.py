@@ -30,6 +30,7 @@ from mlx_redrafter.calibrate import (
     CalibrationKey,
     cached_calibration,
     format_calibration,
+    prefill_chunk,
     sweep,
 )
 from mlx_redrafter.config import PLAIN_DECODING
@@ -243,6 +244,8 @@ def test_interpolation_and_extrapolation_of_the_curve():
     assert calibration.verify_seconds(np.array([3]), 100).tolist() == [3.0]
     assert calibration.verify_seconds(np.array([8]), 100).tolist() == [8.0]  # past N=4
     assert calibration.verify_seconds(np.array([1]), 200).tolist() == [2.0]  # between bands
+    falling = Calibration(KEY, (1, 2, 4), (100,), ((1.0, 3.0, 2.0),))  # noise at N = 4
+    assert falling.verify_seconds(np.array([8]), 100).tolist() == [4.0]  # proportional: 2 x 8/4
 
 
 def test_the_sweep_stops_where_no_larger_tree_can_pay():
@@ -264,6 +267,19 @@ def test_the_sweep_stops_where_no_larger_tree_can_pay():
     tree = AutoTree(truncated, candidate_trees(True), GOOD_DRAFTER).choose(1)
     assert tree == PLAIN_DECODING
     assert len(sweep(SIZES, lambda size: 0.01 + 0.0001 * size, ceiling=DEPTH + 1)) == len(SIZES)
+
+
+def test_the_prefill_chunk_fits_the_latency_from_the_calibrated_cost():
+    """1 ms per token (extrapolated past the largest N measured): 0.5 s takes 448
+    tokens, a cheaper device takes more, and a tiny budget still takes 64."""
+    per_token = synthetic(lambda n: 0.001 * n)
+    assert prefill_chunk(per_token, 0.5) == 448  # 500 tokens fit: 7 x 64
+    assert prefill_chunk(synthetic(lambda n: 0.0001 * n), 0.5) == 4992
+    assert prefill_chunk(per_token, 0.001) == 64
+    # A curve whose last points fall (noise) still grows with N beyond them, at least
+    # proportionally: wide trees and large batches do not look free.
+    noisy = synthetic(lambda n: 0.1 if n < 64 else 0.09)
+    assert prefill_chunk(noisy, 0.5) == 320  # 0.09 s x N / 64 <= 0.5 s
 
 
 # -- acceptance tables ---------------------------------------------------------------------

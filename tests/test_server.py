@@ -609,3 +609,62 @@ def test_the_serve_command(trained_llama: Any, tmp_path: Any) -> None:
         _, errors = process.communicate(timeout=20)
     assert f"on http://127.0.0.1:{port}/" in errors
     assert "B<=2: 3x3" in errors
+
+
+def test_the_prefix_cache_reuses_a_conversation_and_reports_cached_tokens(
+    trained_llama: Any,
+) -> None:
+    """A second turn extending the first (prompt + reply) prefills only its new part,
+    says so in usage.prompt_tokens_details.cached_tokens, and replies exactly as the
+    library does without any cache; a bounded store drops its least recent entry."""
+    from mlx_redrafter.prompt_cache import PrefixStore
+
+    model, drafter, prompts = trained_llama
+    tokenizer = chat_tokenizer()
+    store = PrefixStore(1 << 30)
+    batcher = Batcher(model, drafter, tokenizer, TreePolicy.parse("2x3"), seed=0, prefixes=store)
+    server = BackgroundServer(create_app(Server(batcher, MODEL_ID)))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": words(prompts[2])}]
+    try:
+        with server:
+            first = client.chat.completions.create(
+                model=MODEL_ID, messages=messages, max_tokens=12, temperature=0
+            )
+            assert first.usage is not None and first.usage.prompt_tokens_details is not None
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+            messages += [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": words(prompts[3])},
+            ]
+            second = client.chat.completions.create(
+                model=MODEL_ID, messages=messages, max_tokens=12, temperature=0
+            )
+    finally:
+        batcher.close()
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert second.choices[0].message.content == generate(
+        model, drafter, tokenizer, prompt, max_tokens=12
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    first_prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The template renders the first turn's generation prompt (w3) as an assistant turn
+    # in the second prompt: they share everything before it.
+    shared = next(i for i, (a, b) in enumerate(zip(first_prompt, prompt)) if a != b)
+    assert cached == shared == len(first_prompt) - 1
+    assert store.lookups == 2 and store.hits == 1
+    assert len(store.entries) == 2  # the second turn does not extend the first (w3)
+    # Bounded: room for one entry only keeps the most recent.
+    older = store.entries[0]
+    extended = type(older)(older.cache, [*older.tokens, 5])
+    store.add(extended)  # an entry that a newer one extends is dropped
+    assert older not in store.entries and len(store.entries) == 2
+    small = PrefixStore(sum(a.nbytes for a in older.cache.arrays()) + 1)
+    small.add(older)
+    newer = type(older)(older.cache, [t + 1 for t in older.tokens])  # shares nothing
+    small.add(newer)
+    assert small.entries == [newer]
+    assert (
+        small.lookup(older.tokens).cache is None and small.lookup(newer.tokens).cache is newer.cache
+    )

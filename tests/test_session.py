@@ -208,3 +208,46 @@ def test_a_quick_choice_corrected_after_the_sync_drops_the_step_launched_from_it
         text = list(prompts[row]) + outputs[row]
         assert len(caches[row].tokens) >= len(prompts[row]) + 14
         assert caches[row].tokens == text[: len(caches[row].tokens)]
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode(trained_llama):
+    """With prefill_chunk, a prompt that arrives while a row decodes is committed one
+    chunk between two steps: the running row gets a token every step meanwhile, the
+    new row joins once its last chunk is in, a row cancelled during its prefill never
+    joins, and every reply is mlx-lm's."""
+    model, drafter, prompts = trained_llama
+    long_prompt = [t for p in prompts[4:12] for t in p][:40]  # 39 positions to commit
+    session = DecodingSession(model, drafter, tree="2x3", prefill_chunk=8)
+    session.add([Request(prompts[0], stop=StopConfig(60))], ids=[0])
+    outputs: dict[int, list[int]] = {0: []}
+    first = session.step()  # alone, row 0 was prefilled whole at once
+    outputs[0] += first[0].tokens
+    joining = [Request(long_prompt, stop=StopConfig(10)), Request(prompts[1], stop=StopConfig(10))]
+    session.add(joining, ids=[1, 2])  # prefilled together
+    session.cancel(2)  # leaves before their prefill is done; row 1 joins without it
+    steps_before_joining = 0
+    while 1 not in outputs:
+        updates = session.step()
+        by_id = {u.request: u for u in updates}
+        assert 0 in by_id and by_id[0].tokens, "the running row was stalled"
+        outputs[0] += by_id[0].tokens
+        if 2 in by_id:
+            assert by_id[2].finish_reason == "cancelled" and not by_id[2].tokens
+        if 1 in by_id:
+            outputs[1] = list(by_id[1].tokens)
+        else:
+            steps_before_joining += 1
+    assert steps_before_joining == 4  # chunks of 8, 8, 8, 8 then 7 with the join
+    while session.active:
+        for update in session.step():
+            outputs[update.request] += update.tokens
+            assert update.request != 2
+    assert outputs[0] == mlx_lm_greedy(model, prompts[0], 60)
+    assert outputs[1] == mlx_lm_greedy(model, long_prompt, 10)
+    assert session.state is None
+
+
+def test_prefill_chunk_must_be_positive(trained_llama):
+    model, drafter, _ = trained_llama
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        DecodingSession(model, drafter, prefill_chunk=0)

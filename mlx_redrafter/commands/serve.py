@@ -59,6 +59,22 @@ def register(commands: Any) -> None:
         help="requests that may wait for a row; more get 503 with Retry-After (default: 64)",
     )
     serve.add_argument(
+        "--prefill-latency",
+        type=float,
+        default=0.5,
+        help="seconds a new prompt's prefill may add to each step of the running requests: "
+        "prompts are prefilled in chunks sized from the calibrated cost, one chunk "
+        "between two steps (0: whole prompts at once; default: 0.5)",
+    )
+    serve.add_argument(
+        "--prompt-cache-mb",
+        type=int,
+        default=1024,
+        help="memory for the prefix cache, the K/V of finished requests that later "
+        "prompts sharing a prefix reuse (least recently used dropped first; 0 turns it "
+        "off; default: 1024)",
+    )
+    serve.add_argument(
         "--max-tokens",
         type=int,
         default=512,
@@ -100,6 +116,16 @@ def bind(host: str, port: int) -> socket.socket:
     return listener
 
 
+def chunk_for_latency(model: Any, drafter: Any, seconds: float) -> int | None:
+    """Prefill chunk (tokens) whose calibrated cost is about `seconds` (0: no chunks)."""
+    if seconds == 0:
+        return None
+    from mlx_redrafter.calibrate import cached_calibration, prefill_chunk
+
+    calibration, _ = cached_calibration(model, drafter, announce=True)
+    return prefill_chunk(calibration, seconds)
+
+
 def model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
     """The id /v1/models shows, and other names requests may use for it."""
     if model is None:
@@ -123,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not args.prefill_latency >= 0:
+        raise ValueError(f"--prefill-latency must be >= 0 seconds, got {args.prefill_latency}")
+    if args.prompt_cache_mb < 0:
+        raise ValueError(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
     listener = bind(args.host, args.port)
     try:
         return _serve(args, listener, policy, auto)
@@ -137,9 +167,11 @@ def _serve(
 
     from mlx_redrafter.apps.batcher import Batcher
     from mlx_redrafter.apps.server import Server, create_app
+    from mlx_redrafter.prompt_cache import PrefixStore
 
     model, drafter, tokenizer = load_from_args(args)
     guard = None if args.fixed_tree or auto else SpeedGuard()
+    chunk = chunk_for_latency(model, drafter, args.prefill_latency)
     batcher = Batcher(
         model,
         drafter,
@@ -149,6 +181,8 @@ def _serve(
         seed=args.seed,
         guard=guard,
         max_queue=args.max_queue,
+        prefixes=PrefixStore(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None,
+        prefill_chunk=chunk,
     )
     batcher.warm_up()
     model_id, aliases = model_names(args.model)
@@ -157,6 +191,8 @@ def _serve(
     mode = f"ReDrafter, {batcher.session.describe()}" if speculates else "plain decoding"
     if speculates and guard is not None:
         mode += "; plain where the tree measurably does not pay"
+    if chunk is not None:
+        mode += f"; new prompts prefilled {chunk} tokens per step"
     port = listener.getsockname()[1]
     print(
         f"serving {model_id} ({mode}) on http://{args.host}:{port}/  "
