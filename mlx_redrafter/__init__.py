@@ -11,7 +11,7 @@ from .generate import (
 )
 from .loading import load, load_drafter
 from .policy import SpeedGuard, TreePolicy
-from .prompt_cache import PromptCache
+from .prompt_cache import PrefixStore, PromptCache
 from .session import DecodingSession, Request, Update
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "Drafter",
     "DrafterConfig",
     "GenerationResponse",
+    "PrefixStore",
     "PromptCache",
     "Request",
     "SamplingConfig",

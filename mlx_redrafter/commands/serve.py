@@ -49,6 +49,13 @@ def register(commands: Any) -> None:
         help="always use the --tree shape; by default the server measures tau and step "
         "times as it runs and decodes plainly where the tree does not pay",
     )
+    add_capacity_arguments(serve)
+    serve.add_argument("--seed", type=int, default=None, help="seed of the sampling stream")
+    serve.set_defaults(run=run)
+
+
+def add_capacity_arguments(serve: argparse.ArgumentParser) -> None:
+    """The server's limits: rows, queue, prefill chunks, prefix cache, reply length."""
     serve.add_argument(
         "--max-batch", type=int, default=16, help="rows decoded together (default: 16)"
     )
@@ -80,8 +87,6 @@ def register(commands: Any) -> None:
         default=512,
         help="reply length when a request gives no max_tokens (default: 512)",
     )
-    serve.add_argument("--seed", type=int, default=None, help="seed of the sampling stream")
-    serve.set_defaults(run=run)
 
 
 def port_number(text: str) -> int:
