@@ -70,6 +70,10 @@ class Terminal:
     def __init__(self, argv: list[str]):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
+            # A program started from a script in the background inherits SIGINT ignored
+            # (and Python then installs no KeyboardInterrupt); on its own terminal Ctrl-C
+            # must interrupt it, as it does for a user.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execv(argv[0], argv)
         self.output = ""
         self.cursor = 0
