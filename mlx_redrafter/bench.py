@@ -62,6 +62,8 @@ class BenchConfig:
     unpacked: also run each configuration without prefix sharing.
     profile_prompts: prompts of a separate pass that splits step time into phases.
     batch_sizes: batch sweep sizes (empty: no sweep), with the first tree.
+    without_drafter: also run each tree without the drafter (its lookup branches
+        alone), to show what the drafter adds.
     """
 
     max_tokens: int = 256
@@ -72,6 +74,7 @@ class BenchConfig:
     warmup_tokens: int = 16
     profile_prompts: int = 4
     batch_sizes: tuple[int, ...] = ()
+    without_drafter: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,9 @@ BASELINE = Method("mlx-lm", None)
 def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     methods = [BASELINE, Method("plain", PLAIN_DECODING)]
     for tree in config.trees:
+        if has_drafter and config.without_drafter:
+            label = tree if isinstance(tree, str) else tree.label
+            methods.append(Method(f"redrafter {label} no drafter", tree, False))
         if isinstance(tree, str):
             methods.append(Method(f"redrafter {tree}", tree, True))
             continue

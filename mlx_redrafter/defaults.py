@@ -250,3 +250,16 @@ def gemma3_270m_available() -> bool:
     except Exception:
         return False
     return True
+
+
+# Names `load()` and the CLI's --model accept for the embedded models (no network).
+EMBEDDED_MODELS: dict[str, Callable[[], Path]] = {
+    DEFAULT_MODEL_NAME.lower(): default_model_path,
+    GEMMA3_MODEL_NAME.lower(): gemma3_270m_path,
+}
+
+
+def embedded_model_path(name: str) -> Path | None:
+    """The converted folder of an embedded model named `name` (None: not one of them)."""
+    convert = EMBEDDED_MODELS.get(name.strip().lower())
+    return convert() if convert is not None else None

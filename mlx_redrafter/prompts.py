@@ -25,6 +25,13 @@ MT_BENCH = (
     if os.environ.get("MLX_REDRAFTER_DATA")
     else PACKAGED_DATA / "mt_bench.jsonl.gz"
 )
+# The built-in distillation prompts (11,046; MIT and Apache-2.0 sources, attribution in
+# data/README.md), what `make-drafter` distils when given no --prompts.
+TRAIN_PROMPTS = (
+    Path(os.environ["MLX_REDRAFTER_DATA"]) / "prompts" / "train_prompts.jsonl"
+    if os.environ.get("MLX_REDRAFTER_DATA")
+    else PACKAGED_DATA / "train_prompts.jsonl.gz"
+)
 
 
 class PromptRecord(NamedTuple):

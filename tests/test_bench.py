@@ -210,3 +210,31 @@ def test_argument_parsing_and_prompt_files(tmp_path):
     assert [w.split(": ")[0] for w in warnings] == [f"{file}:3", f"{file}:4"]
     with pytest.raises(ValueError, match=":3:"):
         read_prompts(file, strict=True)
+
+
+def test_each_tree_also_runs_without_the_drafter_when_asked(trained_llama):
+    """--also-no-drafter: the same tree with its lookup branches alone, in the same run;
+    the drafter's beams are what tell the two apart."""
+    model, drafter, prompts = trained_llama
+    config = BenchConfig(
+        max_tokens=16,
+        trees=(TreeConfig(2, 3, lookup_branches=1, lookup_length=3), "auto"),
+        unpacked=False,
+        warmup_tokens=4,
+        profile_prompts=0,
+        without_drafter=True,
+    )
+    result = run_benchmark(model, drafter, tiny_tokenizer(), prompts[:2], config)
+    rows = {s["method"]: s for s in result["summary"]}
+    assert list(rows) == [
+        "mlx-lm",
+        "plain",
+        "redrafter 2x3+1 no drafter",
+        "redrafter 2x3+1",
+        "redrafter auto no drafter",
+        "redrafter auto",
+    ]
+    assert all(row["match_rate"] == 1.0 for row in rows.values())
+    assert rows["redrafter 2x3+1"]["tau"] > rows["redrafter 2x3+1 no drafter"]["tau"]
+    fixed = [r for r in result["runs"] if r["method"] == "redrafter 2x3+1 no drafter"]
+    assert all(size <= 1 + 3 for run in fixed for size in run["tree_sizes"])  # no beams

@@ -88,3 +88,17 @@ def test_a_fixed_tree_with_the_shipped_drafter_is_identical_and_fast(smollm2, mt
     # the n-gram table ("1x2+1x7:text"); a random drafter gives ~1.0, and the headline
     # run (64 turns x 256 tokens, a longer text to look up in) 2.51.
     assert produced / steps > 1.77
+
+
+def test_the_shipped_drafter_is_found_by_fingerprint_also_for_a_4_bit_copy(smollm2):
+    """Discovery matches weights and tokenizer, not names: the default model and its
+    4-bit quantization both find the shipped drafter; the Gemma model would not."""
+    import mlx.nn as nn
+
+    from mlx_redrafter.loading import find_drafter
+
+    model, tokenizer = smollm2
+    assert find_drafter(model, tokenizer, None) == DEFAULT_DRAFTER
+    quantized, _ = mlx_lm_load(str(smollm2_path()))
+    nn.quantize(quantized, group_size=64, bits=4)
+    assert find_drafter(quantized, tokenizer, None) == DEFAULT_DRAFTER

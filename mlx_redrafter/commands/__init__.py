@@ -4,10 +4,23 @@ Each module has `register(commands)`, which adds its subparser and sets
 `run=<function(args) -> exit code>` as the parser default.
 """
 
-from . import acceptance, bench, calibrate, chat, distill, generate, kernels, ngrams, serve, train
+from . import (
+    acceptance,
+    bench,
+    calibrate,
+    chat,
+    distill,
+    generate,
+    kernels,
+    make_drafter,
+    ngrams,
+    serve,
+    train,
+)
 
 COMMANDS = [
     generate,
+    make_drafter,
     distill,
     train,
     ngrams,

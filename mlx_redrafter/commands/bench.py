@@ -86,6 +86,12 @@ def register(commands: Any) -> None:
         "--no-unpacked", action="store_true", help="skip the runs without tree packing"
     )
     bench.add_argument(
+        "--also-no-drafter",
+        action="store_true",
+        help="also run each tree without the drafter (lookup branches alone), in the same "
+        "process: what the drafter adds",
+    )
+    bench.add_argument(
         "--profile-prompts",
         type=int,
         default=4,
@@ -147,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         trees=args.tree,
         sampling=SamplingConfig(args.temperature, args.top_p, args.top_k),
         unpacked=not args.no_unpacked,
+        without_drafter=args.also_no_drafter,
         seed=args.seed,
         profile_prompts=args.profile_prompts,
         batch_sizes=args.batch_sizes,
