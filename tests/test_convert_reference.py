@@ -262,3 +262,24 @@ def test_default_model_is_cached_and_reused(
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     assert not [p for p in cache_root.iterdir() if p.name.endswith(".partial")]
     print(f"first conversion took {smollm2['seconds']:.1f}s")
+
+
+def test_the_converted_gemma_finds_its_shipped_drafter_and_decodes_as_mlx_lm(
+    gemma3: dict[str, Any],
+) -> None:
+    """Discovery by fingerprint: `load()` of the converted Gemma-3-270M folder picks the
+    drafter shipped for it (not SmolLM2's), and greedy output stays mlx-lm's."""
+    from conftest import decode_tokens, mlx_lm_greedy
+
+    from mlx_redrafter import Drafter, TreeConfig, load
+    from mlx_redrafter.loading import SHIPPED_DRAFTERS
+    from mlx_redrafter.prompts import encode_prompt
+
+    model, drafter, tokenizer = load(gemma3["mlx"])
+    assert drafter is not None
+    shipped = Drafter.load(SHIPPED_DRAFTERS / "gemma-3-270m")
+    assert drafter.config == shipped.config
+    prompt = encode_prompt(tokenizer, [{"role": "user", "content": "List three primary colors."}])
+    tree = TreeConfig(2, 3, lookup_branches=1)
+    (ours,), _ = decode_tokens(model, drafter, [prompt], tree, max_tokens=32)
+    assert ours == mlx_lm_greedy(model, prompt, 32)
