@@ -248,3 +248,14 @@ def test_a_quantized_model_gets_a_drafter_too(workspace, tmp_path, bits):
     prompt = [encode_prompt(tokenizer, r.messages) for r in read_prompts(prompts)[:1]]
     (ours,), _ = decode_tokens(model, drafter, prompt, TreeConfig(2, 3), max_tokens=12)
     assert ours == mlx_lm_greedy(model, prompt[0], 12)
+
+
+def test_the_card_is_formatted_as_the_repository_checks_it(workspace):
+    """Cards get committed (the shipped ones are): their code blocks pass `ruff format`."""
+    card = workspace[2] / "README.md"
+    check = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", str(card)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -39,12 +39,14 @@ def drafter_card(run: Run, recipe: Recipe, target: Target, prompts: Prompts) -> 
 
 
 def _use(target: Target, run: Run) -> str:
+    # Names on lines of their own: the call stays one short line under any formatter.
     return (
         "## Use\n\n```python\nimport mlx_redrafter\n\n"
-        f'model, drafter, tokenizer = mlx_redrafter.load("{target.name}", '
-        f'drafter="{run.output}")\n```\n\nor `mlx-redrafter generate --model {target.name} '
-        f"--drafter {run.output} --prompt ...`. Placed in a `drafter/` folder inside the "
-        "model's folder, `load(model)` finds it by itself (matched by `target.json`).\n"
+        f'model_name = "{target.name}"\ndrafter_folder = "{run.output}"\n'
+        "model, drafter, tokenizer = mlx_redrafter.load(model_name, drafter=drafter_folder)\n"
+        f"```\n\nor `mlx-redrafter generate --model {target.name} --drafter {run.output} "
+        "--prompt ...`. Placed in a `drafter/` folder inside the model's folder, "
+        "`load(model)` finds it by itself (matched by `target.json`).\n"
     )
 
 
