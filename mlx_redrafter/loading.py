@@ -109,10 +109,10 @@ def load(
         loaded_drafter = Drafter.load(found) if found is not None else None
     else:
         loaded_drafter = load_drafter(drafter)
-        folder = Path(drafter)
-        if folder.is_dir():
-            from .fingerprint import target_fingerprint
+        from .fingerprint import TARGET_FILE, target_fingerprint
 
+        folder = Path(drafter)
+        if (folder / TARGET_FILE).is_file():  # only then is the model's fingerprint needed
             check_made_for(folder, target_fingerprint(target, tokenizer), str(model_path))
     if loaded_drafter is not None:
         loaded_drafter.check_fits(target)

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from ..config import PLAIN_DECODING
 from ..distill import load_distilled
+from ..drafter import target_dimensions
 from ..files import write_json
 from ..prompts import encode_prompt
 from .data import training_sequences
@@ -115,7 +116,7 @@ def training_rates(run: Run, recipe: Recipe, target: Target) -> dict[str, float]
     sequences, ids = training_sequences(records)
     reply = sum(len(s.tokens) - s.prompt_length for s in sequences) / len(sequences)
     # The head's cost depends on the draft vocabulary: price the recipe's usual size.
-    vocab = min(recipe.draft_vocab or 8192, int(target.model.args.vocab_size))
+    vocab = min(recipe.draft_vocab or 8192, target_dimensions(target.model)[1])
     drafter = fresh_drafter(replace(recipe, draft_vocab=vocab), target, sequences, ids)
     config = replace(recipe.train, validation_fraction=0.0, checkpoint_every=0)
     report = train(

@@ -33,7 +33,7 @@ from typing import Any, cast
 import mlx.nn as nn
 
 from ..distill import DistillConfig, balanced_order, distill, load_distilled
-from ..drafter import ACCEPTANCE_FILE, Drafter
+from ..drafter import ACCEPTANCE_FILE, Drafter, target_dimensions
 from ..files import write_json
 from ..prompts import PromptRecord
 from .checkpoints import latest_checkpoint
@@ -246,9 +246,9 @@ def fresh_drafter(
     recipe: Recipe, target: Target, sequences: Sequence[Any], ids: Sequence[str]
 ) -> Drafter:
     """The untrained drafter of the recipe (a fixed function of the data and seed)."""
-    hidden_size = int(target.model.args.hidden_size)
+    hidden_size, full_vocab = target_dimensions(target.model)
     exit_dim = recipe.exit_dim or max(64, round(2 * hidden_size / 3 / 64) * 64)
-    vocab_size = choose_vocab_size(recipe, sequences, ids, int(target.model.args.vocab_size))
+    vocab_size = choose_vocab_size(recipe, sequences, ids, full_vocab)
     vocab_ids = None
     if vocab_size:
         eos = getattr(target.tokenizer, "eos_token_id", None)
