@@ -41,6 +41,7 @@ class Job:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # top alternatives per token to report; None: none
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: int = -1
 
@@ -247,6 +248,7 @@ class Batcher:
                 stop_config(self.tokenizer, job.max_tokens, job.stop),
                 self._job_key(job),
                 self._prompt_cache(job),
+                job.logprobs,
             )
             for job in jobs
         ]

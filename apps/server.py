@@ -32,10 +32,12 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mlx_redrafter.config import SamplingConfig
+from mlx_redrafter.logprobs import MAX_TOP, TokenLogprob
 from mlx_redrafter.prompts import chat_tokens, text_tokens
 from mlx_redrafter.session import Update
 
 from .batcher import Batcher, Job, QueueFull
+from .logprob_format import LogprobFormat, starts_word
 from .prometheus import CONTENT_TYPE, ServerMetrics
 
 STATIC = Path(__file__).parent / "static"
@@ -116,6 +118,7 @@ class Settings:
     seed: int | None
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top alternatives per token to report; None: none
 
 
 def read_settings(body: dict[str, Any], default_max_tokens: int) -> Settings:
@@ -181,6 +184,27 @@ def read_settings(body: dict[str, Any], default_max_tokens: int) -> Settings:
         raise APIError("only n = 1 is supported", param="n", code="invalid_value")
     sampling = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=top_k)
     return Settings(max_tokens, sampling, stops, seed, stream, include_usage)
+
+
+def read_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top alternatives to report per token (None: no log-probabilities).
+
+    Chat: `logprobs` (a boolean) and `top_logprobs` (0..20, needs `logprobs`);
+    completions: `logprobs` (an integer 0..20)."""
+    name = "top_logprobs" if chat else "logprobs"
+    wanted = _optional(body, "logprobs")
+    top = _optional(body, name) if chat else wanted
+    if chat and wanted is not None and not isinstance(wanted, bool):
+        raise _wrong_type("logprobs", "a boolean", wanted)
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP):
+        raise _wrong_type(name, f"an integer from 0 to {MAX_TOP}", top)
+    if chat and top and not wanted:
+        raise APIError(
+            "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value"
+        )
+    if chat:
+        return (top or 0) if wanted else None
+    return top
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -250,8 +274,6 @@ _UNSUPPORTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "tool_choice": ("tool calling", (None, "none")),
     "functions": ("function calling", (None, [])),
     "function_call": ("function calling", (None, "none")),
-    "logprobs": ("log-probabilities", (None, False)),
-    "top_logprobs": ("log-probabilities", (None, 0)),
     "logit_bias": ("logit bias", (None, {})),
     "echo": ("echoing the prompt", (None, False)),
     "suffix": ("suffixes", (None, "")),
@@ -287,16 +309,13 @@ class LeadingSpace:
     " Paris." must keep it. Only the first non-empty text of a request changes.
     """
 
-    MARKERS = ("\u0120", "\u2581", " ")  # byte-level BPE, SentencePiece, plain
-
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.pending: bool | None = None  # unknown until the first token
 
     def __call__(self, update: Update) -> Update:
         if self.pending is None and update.tokens:
-            piece = self.tokenizer.convert_ids_to_tokens(int(update.tokens[0]))
-            self.pending = isinstance(piece, str) and piece.startswith(self.MARKERS)
+            self.pending = starts_word(self.tokenizer, update.tokens[0])
         if not (self.pending and update.text):
             return update
         self.pending = False
@@ -415,6 +434,7 @@ class Server:
             max_tokens=settings.max_tokens,
             stop=settings.stop,
             seed=settings.seed,
+            logprobs=settings.logprobs,
         )
         try:
             self.batcher.submit(job)
@@ -431,11 +451,13 @@ class Server:
 
     async def collect(
         self, request: Request, job: Job, updates: asyncio.Queue[Update]
-    ) -> tuple[str, Update]:
-        """Wait for the whole reply. The connection is checked every DISCONNECT_POLL
-        seconds while updates flow, so a client that goes away frees its row within a
-        step or two instead of at the end of its reply."""
-        pieces = []
+    ) -> tuple[str, Update, list[TokenLogprob]]:
+        """Wait for the whole reply: its text, last update and the tokens' figures (when
+        asked). The connection is checked every DISCONNECT_POLL seconds while updates
+        flow, so a client that goes away frees its row within a step or two instead of
+        at the end of its reply."""
+        pieces: list[str] = []
+        figures: list[TokenLogprob] = []
         checked = time.monotonic()
         try:
             while True:
@@ -450,6 +472,7 @@ class Server:
                 if update is None:
                     continue
                 pieces.append(update.text)
+                figures += update.logprobs or []
                 if update.finish_reason is not None:
                     if update.error is not None:
                         raise APIError(
@@ -458,7 +481,7 @@ class Server:
                             kind="server_error",
                             code="generation_failed",
                         )
-                    return "".join(pieces), update
+                    return "".join(pieces), update, figures
         finally:
             job.cancel()  # no effect once the row finished
 
@@ -466,7 +489,7 @@ class Server:
         self,
         job: Job,
         updates: asyncio.Queue[Update],
-        chunk: Callable[[str, str | None, dict[str, Any] | None], dict[str, Any]],
+        chunk: Callable[[str, str | None, dict[str, Any] | None, Update | None], dict[str, Any]],
         settings: Settings,
         first: dict[str, Any] | None = None,
     ) -> AsyncIterator[str]:
@@ -484,15 +507,15 @@ class Server:
                     )
                     yield _event(error.body())
                     break
-                if update.finish_reason is None and not update.text:
+                if update.finish_reason is None and not update.text and not update.logprobs:
                     continue
                 reason = update.finish_reason
-                payload = chunk(update.text, reason, None)
+                payload = chunk(update.text, reason, None, update)
                 payload["redrafter"] = self.redrafter_figures(update)
                 yield _event(payload)
                 if reason is not None:
                     if settings.include_usage:
-                        final = chunk("", None, None)
+                        final = chunk("", None, None, None)
                         final["choices"] = []
                         final["usage"] = self.usage(update)
                         yield _event(final)
@@ -507,24 +530,33 @@ class Server:
         body = await self.read_body(request)
         messages = read_messages(body)
         settings = read_settings(body, self.default_max_tokens)
+        settings = replace(settings, logprobs=read_logprobs(body, chat=True))
         prompt = chat_tokens(self.batcher.tokenizer, messages)
         job, updates = self.start(prompt, settings, "messages")
         ident, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        # Chat text starts without the space its first token may carry (as mlx-lm's).
+        formats = LogprobFormat(self.batcher.tokenizer)
         if settings.stream:
 
-            def chunk(text: str, reason: str | None, role: dict[str, Any] | None) -> dict[str, Any]:
+            def chunk(
+                text: str, reason: str | None, role: dict[str, Any] | None, update: Update | None
+            ) -> dict[str, Any]:
                 delta: dict[str, Any] = role or ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": reason}
+                if update is not None and update.logprobs is not None:
+                    choice["logprobs"] = formats.chat(update.logprobs)
                 return {
                     "id": ident,
                     "object": "chat.completion.chunk",
                     "created": created,
                     "model": self.model_id,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": reason}],
+                    "choices": [choice],
                 }
 
-            first = chunk("", None, {"role": "assistant", "content": ""})
+            first = chunk("", None, {"role": "assistant", "content": ""}, None)
             return _sse(self.stream(job, updates, chunk, settings, first))
-        text, last = await self.collect(request, job, updates)
+        text, last, figures = await self.collect(request, job, updates)
+        reported = None if settings.logprobs is None else formats.chat(figures)
         return JSONResponse(
             {
                 "id": ident,
@@ -536,7 +568,7 @@ class Server:
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
                         "finish_reason": last.finish_reason,
-                        "logprobs": None,
+                        "logprobs": reported,
                     }
                 ],
                 "usage": self.usage(last),
@@ -548,23 +580,34 @@ class Server:
         body = await self.read_body(request)
         prompt = read_prompt(self.batcher.tokenizer, body)
         settings = read_settings(body, self.default_max_tokens)
+        settings = replace(settings, logprobs=read_logprobs(body, chat=False))
         rewrite = LeadingSpace(self.batcher.tokenizer)
         job, updates = self.start(prompt, settings, "prompt", rewrite)
         ident, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+        formats = LogprobFormat(self.batcher.tokenizer, keep_space=True)
 
-        def chunk(text: str, reason: str | None, _: dict[str, Any] | None) -> dict[str, Any]:
+        def chunk(
+            text: str, reason: str | None, _: dict[str, Any] | None, update: Update | None
+        ) -> dict[str, Any]:
+            reported = None
+            if update is not None and update.logprobs is not None:
+                reported = formats.completion(update.logprobs)
             return {
                 "id": ident,
                 "object": "text_completion",
                 "created": created,
                 "model": self.model_id,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}],
+                "choices": [
+                    {"index": 0, "text": text, "logprobs": reported, "finish_reason": reason}
+                ],
             }
 
         if settings.stream:
             return _sse(self.stream(job, updates, chunk, settings))
-        text, last = await self.collect(request, job, updates)
-        payload = chunk(text, last.finish_reason, None)
+        text, last, figures = await self.collect(request, job, updates)
+        payload = chunk(text, last.finish_reason, None, None)
+        if settings.logprobs is not None:
+            payload["choices"][0]["logprobs"] = formats.completion(figures)
         payload["usage"] = self.usage(last)
         payload["redrafter"] = self.redrafter_figures(last)
         return JSONResponse(payload)

@@ -20,7 +20,7 @@ EXIT_INTERRUPTED = 130
 _MAIN_EPILOG = textwrap.dedent(
     """\
     examples:
-      # a GGUF file (llama / gemma3 architectures), float32 output
+      # a GGUF file (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3), float32 output
       mlx-redrafter-convert model SmolLM2-135M-Instruct.Q4_1.gguf -o models/smollm2
 
       # a local Hugging Face folder, 4-bit quantized
@@ -45,8 +45,9 @@ _MODEL_EPILOG = textwrap.dedent(
     """\
     SRC is one of:
       - a .gguf file: config, tokenizer and weights are rebuilt from the file
-        (architectures: llama, gemma3); weights are dequantized exactly to
-        float32 and saved as float32 unless --dtype says otherwise;
+        (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 architectures);
+        weights are dequantized exactly to float32 and saved as float32
+        unless --dtype says otherwise;
       - a Hugging Face model folder (config.json + safetensors + tokenizer);
       - a Hugging Face Hub id such as org/name (needs network access).
 

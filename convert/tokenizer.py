@@ -40,6 +40,7 @@ _SPM_SPACE = "\u2581"  # the SentencePiece word-boundary mark
 #   "gpt2":   the GPT-2 rule (built into the ByteLevel pre-tokenizer)
 #   "digits": every number character on its own, then the GPT-2 rule
 #   "llama3": the Llama 3 rule (case-insensitive contractions, 1-3 digit groups)
+#   "qwen2":  the Llama 3 rule with every digit on its own (Qwen 2 and 3)
 _LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
     r"|[^\r\n\p{L}\p{N}]?\p{L}+"
@@ -49,6 +50,10 @@ _LLAMA3_PATTERN = (
     r"|\s+(?!\S)"
     r"|\s+"
 )
+_SPLIT_PATTERNS = {
+    "llama3": _LLAMA3_PATTERN,
+    "qwen2": _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"),
+}
 BPE_PRE_TOKENIZERS: dict[str, str] = {
     "default": "gpt2",
     "gpt2": "gpt2",
@@ -60,6 +65,8 @@ BPE_PRE_TOKENIZERS: dict[str, str] = {
     "llama-v3": "llama3",
     "smaug-bpe": "llama3",
     "falcon3": "llama3",
+    "qwen2": "qwen2",
+    "deepseek-r1-qwen": "qwen2",
 }
 # vocabularies whose BPE ignores merges for a word that is already one token
 _IGNORE_MERGES = {"llama3"}
@@ -119,7 +126,7 @@ def _byte_level(meta: Mapping[str, Any], tokens: list[str]) -> tuple[Any, bool]:
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.Split(Regex(_SPLIT_PATTERNS[rule]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )

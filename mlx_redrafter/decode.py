@@ -26,6 +26,7 @@ from .beam_search import beam_search
 from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
+from .logprobs import EmittedLogprobs, TokenLogprob, emitted_logprobs
 from .lookup import lookup_branches
 from .ngrams import table_branches
 from .sampling import choose_tokens, choose_tokens_quickly, position_keys
@@ -134,6 +135,7 @@ class StepOutput:
     num_accepted: list[int]
     tree_sizes: list[int]  # distinct prefixes in each row's tree
     runs: np.ndarray  # (B, W + G) drafted tokens each candidate had accepted
+    logprobs: list[list[TokenLogprob]] | None = None  # per emitted token, when asked
 
 
 class Prefill:
@@ -481,6 +483,7 @@ def decode_step(
     clock: PhaseClock | None = None,
     prefetch: bool = True,
     look_ahead: bool = False,
+    logprobs: int | None = None,
 ) -> StepOutput:
     """One speculative step for every row, with one host sync at the end (a second
     only when greedy choices meet near-equal logits; one per phase when a profiling
@@ -490,9 +493,11 @@ def decode_step(
     the device works while the host handles this step's tokens (text, stop rules).
     look_ahead: for a plain step whose next step is plain too, launch that one
     before this one's sync (`plain_step`).
+    logprobs: also report each emitted token's log-probability under the target and
+    this many top alternatives (`logprobs.py`); None: none.
     """
     if steps.plan.plain:
-        return plain_step(model, state, clock, look_ahead)
+        return plain_step(model, state, clock, look_ahead, logprobs)
     state.ahead = None  # a plain forward launched ahead is not this step's
     # Draft: W beams of L tokens, each opened by the row's root token, and G branches.
     beams = state.take_draft(steps)
@@ -510,18 +515,14 @@ def decode_step(
         clock.mark("verify", hidden, choices)
 
     # Accept: walk the tree along the target's choices.
-    def accept(choices: mx.array) -> Acceptance:
-        result = steps.accept(beams, tree.unpack, tree.canonical, choices)
-        state.hidden = mx.take_along_axis(hidden, result.last_node[:, None, None], axis=1)[:, 0]
-        return result
-
-    result = accept(choices)
+    walk = (steps, state, beams, tree, hidden, logits, logprobs)
+    result, figures = accept_choices(*walk, choices)
     # The step's one host sync (it also materializes this forward's K/V writes).
-    mx.eval(state.hidden, result, tree.num_tokens, unsure)
+    mx.eval(state.hidden, result, tree.num_tokens, unsure, _arrays(figures))
     if unsure.item():
         # Rare: near-equal logits at some node; choose exactly as mlx-lm does.
-        result = accept(choose_tokens(logits, state.sampling, keys))
-        mx.eval(state.hidden, result)
+        result, figures = accept_choices(*walk, choose_tokens(logits, state.sampling, keys))
+        mx.eval(state.hidden, result, _arrays(figures))
     state.root_tokens = result.bonus_tokens
     state.record(result.tokens)
     num_accepted = host_list(result.num_accepted)
@@ -533,7 +534,33 @@ def decode_step(
         clock.mark("accept and commit")
     elif prefetch:
         state.prefetch(steps, draft(steps, state))
-    return StepOutput(tokens, num_accepted, host_list(tree.num_tokens), np.array(result.runs))
+    sizes, runs = host_list(tree.num_tokens), np.array(result.runs)
+    report = None if figures is None else figures.to_host(tokens)
+    return StepOutput(tokens, num_accepted, sizes, runs, report)
+
+
+def accept_choices(
+    steps: StepFunctions,
+    state: DecodeState,
+    beams: mx.array,
+    tree: PackedTree,
+    hidden: mx.array,
+    logits: mx.array,
+    logprobs: int | None,
+    choices: mx.array,
+) -> tuple[Acceptance, EmittedLogprobs | None]:
+    """Walk the packed tree along the target's `choices` (B, N); move each row's
+    hidden state to its last accepted node and, when `logprobs` is set, compute the
+    emitted tokens' log-probabilities. Lazy: nothing is evaluated here.
+
+    beams: (B, W + G, L); hidden: (B, N, D); logits: (B, N, V).
+    """
+    result = steps.accept(beams, tree.unpack, tree.canonical, choices)
+    last = result.last_node[:, None, None]  # (B, 1, 1)
+    state.hidden = mx.take_along_axis(hidden, last, axis=1)[:, 0]  # (B, D)
+    if logprobs is None:
+        return result, None
+    return result, emitted_logprobs(logits, result.path, result.tokens, logprobs)
 
 
 @dataclass(frozen=True)
@@ -571,6 +598,7 @@ def plain_step(
     state: DecodeState,
     clock: PhaseClock | None = None,
     look_ahead: bool = False,
+    logprobs: int | None = None,
 ) -> StepOutput:
     """A step of plain decoding: the tree is the root alone, so there is nothing to
     draft, pack or walk; the target's choice after the root is the step's token.
@@ -578,6 +606,7 @@ def plain_step(
 
     look_ahead: the next step is plain too; launch it (`launch_plain`) before this
     step's sync. The cache commit of a plain step needs nothing from the device.
+    logprobs: as in `decode_step`.
     """
     state.drafted = None
     forward, state.ahead = state.ahead or plain_forward(model, state), None
@@ -588,7 +617,12 @@ def plain_step(
     state.cache.commit([[0]] * batch_size, [1] * batch_size)
     if look_ahead and clock is None:
         launch_plain(model, state)
-    mx.eval(forward.hidden, forward.choices, forward.unsure)  # the step's one host sync
+    roots = mx.zeros((batch_size, 1), dtype=mx.int32)  # (B, 1): the one node
+    figures = None
+    if logprobs is not None:
+        figures = emitted_logprobs(forward.logits, roots, forward.choices, logprobs)
+    # The step's one host sync.
+    mx.eval(forward.hidden, forward.choices, forward.unsure, _arrays(figures))
     tokens = host_rows(forward.choices)
     if forward.unsure.item():
         # Rare: near-equal logits; choose exactly as mlx-lm does, and if that changes
@@ -598,10 +632,18 @@ def plain_step(
             tokens, state.ahead = host_rows(exact), None
             state.root_tokens = exact[:, 0]
             state.replace_roots(state.root_tokens)
+            if logprobs is not None:
+                figures = emitted_logprobs(forward.logits, roots, exact, logprobs)
+                mx.eval(figures.arrays())
     if clock:
         clock.mark("verify")
     zeros = np.zeros((batch_size, 1), dtype=np.int64)
-    return StepOutput(tokens, [0] * batch_size, [1] * batch_size, zeros)
+    report = None if figures is None else figures.to_host(tokens)
+    return StepOutput(tokens, [0] * batch_size, [1] * batch_size, zeros, report)
+
+
+def _arrays(figures: EmittedLogprobs | None) -> tuple[mx.array, ...]:
+    return () if figures is None else figures.arrays()
 
 
 def host_list(values: mx.array) -> list[int]:

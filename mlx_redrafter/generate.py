@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from .config import CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
+from .logprobs import TokenLogprob
 from .metrics import RequestMetrics
 from .policy import TreeChoice
 from .prompt_cache import PromptCache
@@ -46,6 +47,8 @@ class GenerationResponse:
     tree: the notation of this step's tree (e.g. "1x2+1x7"; "1x1" when plain).
     acceptance_by_depth: the fraction of steps so far that accepted at least k
         drafted tokens, for k = 1, 2, ...
+    logprobs: with `logprobs=K`, one `TokenLogprob` per token in `tokens`: its
+        log-probability under the target and the K most likely tokens there.
     """
 
     text: str
@@ -64,6 +67,7 @@ class GenerationResponse:
     tree: str = "1x1"
     cached_tokens: int = 0
     prompt_seconds: float = 0.0
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def of(cls, update: Update) -> GenerationResponse:
@@ -86,6 +90,7 @@ class GenerationResponse:
             tree=update.tree.label,
             cached_tokens=metrics.cached_tokens,
             prompt_seconds=metrics.prompt_seconds,
+            logprobs=update.logprobs,
         )
 
 
@@ -119,6 +124,7 @@ def stream_batch(
     cache: CacheConfig | None = None,
     prompt_caches: Sequence[PromptCache | None] | None = None,
     session: DecodingSession | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[tuple[int, GenerationResponse]]:
     """Decode several prompts together; yields (prompt index, response) per row and step.
 
@@ -130,7 +136,10 @@ def stream_batch(
     prefilled again and which takes the prompt and reply when the row ends;
     session: a `DecodingSession` of this model and drafter to decode in, kept across
     calls (its compiled steps and tree choice carry over); `tree` and `cache` are then
-    the session's.
+    the session's;
+    logprobs: report each token's log-probability under the target (exact under
+    speculation: the raw logits' log-softmax, before temperature) with this many
+    most likely alternatives, 0..20 (`GenerationResponse.logprobs`).
     """
     encoded = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     prefixes = list(prompt_caches) if prompt_caches is not None else [None] * len(encoded)
@@ -144,7 +153,7 @@ def stream_batch(
         raise ValueError("the session decodes another model or drafter than the one given")
     keys = request_keys(seed, len(encoded))
     requests = [
-        Request(tokens, sampling, rules, key, prefix)
+        Request(tokens, sampling, rules, key, prefix, logprobs)
         for tokens, key, prefix in zip(encoded, keys, prefixes)
     ]
     for update in session.run(requests):
@@ -163,6 +172,7 @@ class GenerationOptions(TypedDict, total=False):
     tree: TreeConfig | TreeChoice | str | None
     cache: CacheConfig | None
     session: DecodingSession | None
+    logprobs: int | None
 
 
 def stream_generate(
@@ -176,7 +186,7 @@ def stream_generate(
     """Generate for one prompt, yielding a GenerationResponse per decoding step.
 
     Options as in `stream_batch` (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
-    seed, stop, tree, cache). prompt_cache: a `PromptCache` kept across calls (a
+    seed, stop, tree, cache, logprobs). prompt_cache: a `PromptCache` kept across calls (a
     conversation's turns): only what the prompt does not share with it is prefilled.
     `drafter=None` decodes plainly (one token per target forward) through the same
     session, or with lookup branches alone for a tree of W = 0 (e.g.
@@ -200,6 +210,7 @@ def generate(
     """Generate a whole response for one prompt (a string or token ids).
 
     Options as in `stream_batch`; `verbose` prints the text as it streams and a summary.
+    Only the text is returned: for `logprobs`, read them from `stream_generate`.
     """
     pieces = []
     last: GenerationResponse | None = None

@@ -50,6 +50,7 @@ from .decode import (
 )
 from .drafter import Drafter
 from .kernels import Kernels
+from .logprobs import MAX_TOP, TokenLogprob
 from .metrics import RequestMetrics
 from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
 from .prompt_cache import PromptCache
@@ -65,6 +66,8 @@ class Request:
     same tokens whatever tree decodes it and whatever shares its batch.
     prefix: a `PromptCache`: the prompt's prefix it holds is not prefilled again, and
     when the request ends it holds this request's prompt and reply.
+    logprobs: report each emitted token's log-probability under the target and this
+    many most likely alternatives (0..20, `logprobs.py`); None: none.
     """
 
     prompt: Sequence[int]
@@ -72,6 +75,7 @@ class Request:
     stop: StopConfig = StopConfig()
     key: mx.array | None = None
     prefix: PromptCache | None = None  # reused K/V of earlier turns; takes this one's
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Update:
     metrics: the request's running figures after this step.
     tree: the tree this step used (PLAIN_DECODING when it decoded plainly);
     tree_size: distinct prefixes it verified for this request; batch_size: rows.
+    logprobs: one per token in `tokens`, when the request asked for them.
     """
 
     request: int
@@ -99,6 +104,7 @@ class Update:
     tree_size: int = 1
     batch_size: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def unstarted(
@@ -361,6 +367,10 @@ class DecodingSession:
             raise ValueError("a sampled request needs a PRNG key (mx.random.key(seed))")
         if request.stop.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: give the session one")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP:
+            raise ValueError(
+                f"logprobs asks for {request.logprobs} alternatives: give 0 to {MAX_TOP}"
+            )
 
     def add(self, requests: Sequence[Request], ids: Sequence[int] | None = None) -> list[int]:
         """Prefill the requests together and let them join the batch at the next step.
@@ -549,8 +559,12 @@ class DecodingSession:
         if self.clock is not None:
             self.clock.start()
         look_ahead = self._look_ahead(state, tree)
+        asked = [self._rows[i].request.logprobs for i in state.row_ids]
+        top = max((k for k in asked if k is not None), default=None)
         with mx.stream(generation_stream()):
-            output = decode_step(self.model, steps, state, self.clock, self.prefetch, look_ahead)
+            output = decode_step(
+                self.model, steps, state, self.clock, self.prefetch, look_ahead, top
+            )
         seconds = time.perf_counter() - started
         used = PLAIN_DECODING if steps.plan.plain else tree
         self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
@@ -564,7 +578,12 @@ class DecodingSession:
             )
             row.metrics.record(len(kept), counted, accepted, seconds)
             step = (used, output.tree_sizes[position], batch_size)
-            updates.append(self._update(row, kept, text, accepted, ended, *step))
+            update = self._update(row, kept, text, accepted, ended, *step)
+            if output.logprobs is not None and asked[position] is not None:
+                figures = output.logprobs[position][: len(kept)]
+                trimmed = [replace(f, top=f.top[: asked[position]]) for f in figures]
+                update = replace(update, logprobs=trimmed)
+            updates.append(update)
             if ended is None:
                 keep.append(position)
             else:

@@ -29,8 +29,11 @@ from .config import CacheConfig
 from .tree import PackedTree, attention_mask, sliding_window_mask, tree_positions
 
 # Families whose tree verification is proven token-identical to mlx-lm by the tests.
-TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 _SUPPORTED_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache)
+# Families whose attention scores are (B, H_kv, H / H_kv, N, T) when H > H_kv: a
+# mask then needs a third singleton axis to broadcast over a batch of several rows.
+GROUPED_SCORES = ("gemma2",)
 
 
 class UnsupportedModelError(ValueError):
@@ -73,10 +76,16 @@ def _rope_parents(model: nn.Module) -> list[nn.Module]:
 
 
 def output_logits(model: nn.Module, hidden: mx.array) -> mx.array:
-    """The model's own output head on final hidden states. (..., D) -> (..., V)"""
+    """The model's own output head on final hidden states, with its logit soft-capping
+    when it has one (Gemma 2). (..., D) -> (..., V)"""
     if "lm_head" in model:
-        return model.lm_head(hidden)
-    return model.model.embed_tokens.as_linear(hidden)
+        logits = model.lm_head(hidden)
+    else:
+        logits = model.model.embed_tokens.as_linear(hidden)
+    cap = getattr(model, "final_logit_softcapping", None)
+    if cap:
+        logits = mx.tanh(logits / cap) * cap
+    return logits
 
 
 def prepare_target(model: nn.Module) -> nn.Module:
@@ -147,7 +156,10 @@ class TreeLayerCache:
     def make_mask(
         self, num_tokens: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str | None:
-        return self.shared.mask(window_size)
+        mask = self.shared.mask(window_size, array=return_array)
+        if self.shared.grouped_scores and isinstance(mask, mx.array):
+            return mask[:, :, None]  # (B, 1, 1, N, T + N)
+        return mask
 
     def _store(self, x: mx.array) -> Any:
         return x
@@ -288,11 +300,14 @@ class TargetCache:
             else TreeLayerCache(self)
             for _ in model.layers
         ]
+        heads = getattr(getattr(model, "args", None), "num_attention_heads", 0)
+        kv_heads = getattr(getattr(model, "args", None), "num_key_value_heads", heads)
+        self.grouped_scores = model_family(model) in GROUPED_SCORES and heads != kv_heads
         self.lengths = mx.zeros((batch_size,), dtype=mx.int32)  # (B,) on device
         self.host_lengths: list[int] = [0] * batch_size  # the same, on the host
         self.positions = mx.zeros((batch_size, 1), dtype=mx.int32)
         self._tree: PackedTree | None = None
-        self._masks: dict[int | None, mx.array | str | None] = {}
+        self._masks: dict[int | str | None, mx.array | str | None] = {}
 
     @property
     def frontier(self) -> int:
@@ -318,19 +333,25 @@ class TargetCache:
         elif aligned and causal:
             self._masks[None] = "causal"
 
-    def mask(self, window_size: int | None = None) -> mx.array | str | None:
+    def mask(self, window_size: int | None = None, array: bool = False) -> mx.array | str | None:
+        """The forward's attention mask (B, 1, N, T + N), or "causal" / None where
+        mlx-lm's own masks do (array: a model that needs an array gets one for
+        "causal" too)."""
         assert self._tree is not None, "TargetCache.begin must be called before a forward"
         num_tokens = self._tree.tokens.shape[1]
         if window_size is not None and self.frontier + num_tokens <= window_size:
             window_size = None
-        if window_size not in self._masks:
+        key: int | str | None = window_size
+        if array and isinstance(self._masks.get(key), str):
+            key = "array"  # only the full causal mask is ever a string
+        if key not in self._masks:
             full = attention_mask(self._tree, self.lengths, self.frontier)
             if window_size is not None:
                 full = sliding_window_mask(
                     full, self.positions, self.lengths, self.frontier, window_size
                 )
-            self._masks[window_size] = full
-        return self._masks[window_size]
+            self._masks[key] = full
+        return self._masks[key]
 
     def commit(self, path: list[list[int]], num_kept: list[int]) -> None:
         """Keep the packed tokens on each row's path for its first num_kept[b] entries.

@@ -744,7 +744,8 @@ def test_unknown_architecture(
     line = assert_one_line_error(code, err, "'mamba'")
     for name in SUPPORTED_ARCHITECTURES:
         assert name in line
-    assert set(SUPPORTED_ARCHITECTURES) >= {"llama", "gemma3"}
+    assert set(SUPPORTED_ARCHITECTURES) >= {"llama", "gemma3", "qwen2", "qwen3", "mistral"}
+    assert set(SUPPORTED_ARCHITECTURES) >= {"phi3", "gemma2"}
     assert not (tmp_path / "o").exists() and no_leftovers(tmp_path)
 
 

@@ -33,6 +33,26 @@ def test_every_family_matches_mlx_lm(family_model, beam_width, beam_length):
         assert outputs[0] == reference, f"{family} W={beam_width} L={beam_length} prompt={prompt}"
 
 
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_every_family_matches_mlx_lm_in_a_batch(family_model, batch_size):
+    """Rows of different prompt lengths verified together (masks broadcast over B)."""
+    family, model, prompts, references = family_model
+    drafter = Drafter.create(model)
+    outputs, _ = decode_tokens(model, drafter, prompts[:batch_size], TreeConfig(3, 3), 40)
+    assert outputs == references[:batch_size], family
+
+
+def test_gemma2_with_as_many_kv_heads_as_heads_in_a_batch():
+    """Gemma 2 groups its attention scores only when H > H_kv; without grouping the
+    mask must keep its plain (B, 1, N, T + N) shape."""
+    model = tiny_model("gemma2", num_key_value_heads=4)
+    prompts = random_prompts(3, seed=11)
+    references = [mlx_lm_greedy(model, p, 24) for p in prompts]
+    prepare_target(model)
+    outputs, _ = decode_tokens(model, Drafter.create(model), prompts, TreeConfig(2, 3), 24)
+    assert outputs == references
+
+
 def test_sliding_window_is_exercised():
     # gemma3_text's tiny config has a window of 8; 40 tokens go far past it.
     assert FAMILY_CONFIGS["gemma3_text"]["sliding_window"] < 40

@@ -121,6 +121,28 @@ def test_killed_in_every_phase_and_resumed_makes_the_same_drafter(workspace, tmp
     assert not list(output.glob(".*partial"))
 
 
+def test_replies_distilled_earlier_are_used_and_the_card_says_how_to_reproduce(workspace, tmp_path):
+    """A folder that already holds more distilled replies than --records asks for
+    trains on all of them; the card says so and puts the copy into its reproduce
+    commands. Here those replies are the reference run's 120, so the drafter is the
+    reference drafter bit for bit."""
+    import shutil
+
+    model, prompts, reference = workspace
+    output = tmp_path / "more"
+    shutil.copytree(reference / "work" / "distilled", output / "work" / "distilled")
+    recipe = [*RECIPE]
+    recipe[recipe.index("--records") + 1] = "60"
+    command = ["make-drafter", str(model), "--output", str(output), "--prompts", str(prompts)]
+    assert main([*command, *recipe]) == 0
+    for name in ("config.json", "model.safetensors", "ngrams.safetensors"):
+        assert (output / name).read_bytes() == (reference / name).read_bytes(), name
+    card = (output / "README.md").read_text()
+    assert "cp -r DISTILLED NEW_FOLDER/work/distilled" in card
+    assert "trained on 120 distilled replies, more than the 60" in card
+    assert "cp -r DISTILLED" not in (reference / "README.md").read_text()
+
+
 def test_the_drafter_decodes_losslessly_and_its_card_names_its_figures(workspace):
     model_folder, _, reference = workspace
     model, drafter, tokenizer = load(model_folder, drafter=reference)

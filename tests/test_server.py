@@ -137,6 +137,68 @@ def test_streamed_chat_equals_the_whole_reply(served: Served) -> None:
     assert figures[-1]["tokens_per_step"] == whole.model_extra["redrafter"]["tokens_per_step"]
 
 
+def test_logprobs_are_the_target_s_in_openai_s_formats(served: Served) -> None:
+    """Chat (whole and streamed) and completions report each token's log-probability
+    and top alternatives, as the library computes them under speculation."""
+    from mlx_redrafter.generate import stream_generate
+
+    content = words(served.prompts[2])
+    messages: Any = [{"role": "user", "content": content}]
+    prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = [
+        figure
+        for response in stream_generate(
+            served.model, served.drafter, served.tokenizer, prompt, max_tokens=12, logprobs=3
+        )
+        for figure in response.logprobs or []
+    ]
+    reply = served.client.chat.completions.create(
+        model=MODEL_ID, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+        top_logprobs=3,
+    )  # fmt: skip
+    content_figures = reply.choices[0].logprobs.content
+    assert [round(f.logprob, 4) for f in content_figures] == [round(f.logprob, 4) for f in expected]
+    for ours, theirs in zip(content_figures, expected):
+        assert [t.logprob for t in ours.top_logprobs] == sorted(
+            (t.logprob for t in ours.top_logprobs), reverse=True
+        )
+        assert len(ours.top_logprobs) == len(theirs.top) == 3
+        assert ours.top_logprobs[0].logprob >= ours.logprob - 1e-6
+    # The tokens' texts join up to the reply (its leading space aside).
+    text = reply.choices[0].message.content
+    assert "".join(f.token for f in content_figures).lstrip() == text.lstrip()
+    stream = served.client.chat.completions.create(
+        model=MODEL_ID, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+        stream=True,
+    )  # fmt: skip
+    streamed = [
+        figure.logprob
+        for chunk in stream
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for figure in choice.logprobs.content or []
+    ]
+    assert [round(x, 4) for x in streamed] == [round(f.logprob, 4) for f in expected]
+    completion = served.client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=12, temperature=0, logprobs=2
+    )
+    legacy = completion.choices[0].logprobs
+    assert [round(x, 4) for x in legacy.token_logprobs] == [round(f.logprob, 4) for f in expected]
+    assert all(len(top) == 2 for top in legacy.top_logprobs)
+    assert legacy.text_offset[0] == 0
+    text = completion.choices[0].text
+    assert "".join(legacy.tokens) == text
+    for token, offset in zip(legacy.tokens, legacy.text_offset):
+        assert text[offset : offset + len(token)] == token
+    # Streamed: the same tokens and offsets, chunk after chunk.
+    chunks = served.client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=12, temperature=0, logprobs=2, stream=True
+    )
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == legacy.tokens
+    assert [o for p in parts for o in p.text_offset] == legacy.text_offset
+
+
 def test_completions_with_token_ids_and_stop_strings(served: Served) -> None:
     prompt = served.prompts[2]
     expected = served.alone(prompt, 30)
@@ -274,10 +336,14 @@ def test_concurrent_clients_get_their_lone_replies(served: Served) -> None:
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
          b'"tool_choice": "auto"}', 400, "tool_choice"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
-         b'"logprobs": true, "top_logprobs": 2}', 400, "logprobs"),
+         b'"logprobs": true, "top_logprobs": 21}', 400, "top_logprobs"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
+         b'"top_logprobs": 2}', 400, "top_logprobs"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
+         b'"logprobs": 3}', 400, "logprobs"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "w1"}], '
          b'"response_format": {"type": "json_object"}}', 400, "response_format"),
-        ("/v1/completions", b'{"prompt": "w1", "logprobs": 3}', 400, "logprobs"),
+        ("/v1/completions", b'{"prompt": "w1", "logprobs": -1}', 400, "logprobs"),
         ("/v1/completions", b'{"prompt": "w1", "echo": true}', 400, "echo"),
         ("/v1/completions", b'{"prompt": "w1", "logit_bias": {"5": 10}}', 400, "logit_bias"),
         ("/v1/nothing", b"{}", 404, None),

@@ -28,6 +28,14 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "mistral": {"model_type": "mistral", "rope_theta": 10000.0},
     "qwen2": {"model_type": "qwen2", "rope_theta": 10000.0},
     "qwen3": {"model_type": "qwen3", "rope_theta": 10000.0, "head_dim": 8},
+    "gemma2": {
+        "model_type": "gemma2",
+        "head_dim": 8,
+        "query_pre_attn_scalar": 8,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+    },
     "gemma3_text": {
         "model_type": "gemma3_text",
         "head_dim": 8,

@@ -32,7 +32,7 @@ def drafter_card(run: Run, recipe: Recipe, target: Target, prompts: Prompts) -> 
         _data(report, recipe, prompts),
         _recipe(report, recipe),
         _metrics(report, evaluation),
-        _reproduce(target, run, recipe, prompts),
+        _reproduce(target, run, recipe, prompts, report),
         _license(target),
     ]
     return "\n".join(sections)
@@ -154,20 +154,36 @@ def recipe_flags(recipe: Recipe) -> str:
     )
 
 
-def _reproduce(target: Target, run: Run, recipe: Recipe, prompts: Prompts) -> str:
+def _reproduce(
+    target: Target, run: Run, recipe: Recipe, prompts: Prompts, report: dict[str, Any]
+) -> str:
     source = "" if prompts.label == "built-in prompts" else f" --prompts {prompts.label}"
-    return (
+    records = int(report.get("data", {}).get("records", recipe.records))
+    copy = ""
+    if records > recipe.records:
+        # Replies distilled by earlier runs into this folder were used too.
+        copy = "mkdir -p NEW_FOLDER/work && cp -r DISTILLED NEW_FOLDER/work/distilled\n"
+    text = (
         "## Reproduce\n\n```bash\n"
-        f"mlx-redrafter make-drafter {target.name} --output NEW_FOLDER{source} \\\n"
+        f"{copy}mlx-redrafter make-drafter {target.name} --output NEW_FOLDER{source} \\\n"
         f"    {recipe_flags(recipe)}\n"
         f"mlx-redrafter bench --model {target.name} --drafter {run.output} "
         f"--prompts {run.output}/eval_prompts.jsonl --max-tokens {recipe.eval_max_tokens} "
         "--tree auto --also-no-drafter --no-unpacked --profile-prompts 0\n```\n\n"
-        "The first command makes the same drafter bit for bit on a machine of the same kind "
-        "(a --time-budget run is written out here as the recipe its measurement chose). "
-        "The second measures the speed figures again "
+        "The make-drafter command makes the same drafter bit for bit on a machine of the "
+        "same kind (a --time-budget run is written out here as the recipe its measurement "
+        "chose). The bench command measures the speed figures again "
         "(timings vary with the machine and its load).\n"
     )
+    if copy:
+        text += (
+            f"\nThe drafter was trained on {records} distilled replies, more than the "
+            f"{recipe.records} that `--records` asks for: the folder held replies an earlier, "
+            "longer run had distilled, and a run uses every reply it finds. DISTILLED is "
+            "that set of replies (this run's `work/distilled`); with it in place, the "
+            "command distils only what is missing and trains on the same data.\n"
+        )
+    return text
 
 
 def _license(target: Target) -> str:
