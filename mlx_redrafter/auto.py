@@ -26,6 +26,7 @@ import numpy as np
 
 from .calibrate import DEPTH, Calibration, cached_calibration
 from .config import PLAIN_DECODING, TreeConfig
+from .distributed import is_main_process
 from .drafter import Drafter
 from .metrics import AcceptanceTable
 
@@ -282,7 +283,7 @@ class AutoTree:
         """The auto tree of (model, drafter) on this machine: its calibration is read from
         the cache folder, or measured now (seconds) and stored there; acceptance starts
         from the drafter's own table, or the built-in priors."""
-        calibration, _ = cached_calibration(model, drafter, announce=True)
+        calibration, _ = cached_calibration(model, drafter, announce=is_main_process())
         width = min(8, drafter.config.output_size) if drafter is not None else 0
         candidates = candidate_trees(drafter is not None, max_width=width)
         prior = LOOKUP_PRIOR

@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import batch_generate as mlx_lm_batch_generate
 from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.generate import generation_stream as mlx_lm_generation_stream
 from mlx_lm.sample_utils import make_sampler
 
 from .calibrate import cached_calibration
@@ -165,6 +166,9 @@ def run_method(
             stop = baseline_response.finish_reason == "stop" and baseline_response.token in eos
             chunks.append([] if stop else [baseline_response.token])
             produced += 1
+        # mlx-lm leaves a forward in flight on its stream; a sharded one must end
+        # before this process's next collectives (on another stream) start.
+        mx.synchronize(mlx_lm_generation_stream)
         steps = len(stamps)
     else:
         last = None
@@ -408,6 +412,7 @@ def batch_sweep(
         response = mlx_lm_batch_generate(
             model, tokenizer, batch, max_tokens=config.max_tokens, return_token_ids=True
         )
+        mx.synchronize(mlx_lm_generation_stream)
         baseline_seconds = time.perf_counter() - started
         baseline_tokens = sum(len(ids) for ids in response.token_ids or [])
         row: dict[str, Any] = {

@@ -32,6 +32,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .config import CacheConfig, SamplingConfig, TreeConfig
+from .distributed import agreed_seconds, agreed_values, all_ranks, sharding_group, sharding_label
 from .drafter import Drafter
 from .files import write_json
 from .target import TargetCache, context_length, output_logits, prepare_target, target_hidden
@@ -182,7 +183,7 @@ def calibration_key(model: nn.Module, drafter: Drafter | None) -> CalibrationKey
     return CalibrationKey(
         model=fingerprint(model),
         drafter=fingerprint(drafter),
-        device=device_name(),
+        device=" ".join(filter(None, (device_name(), sharding_label(model)))),
         dtype=dtype,
         quantization=quantization(model),
         mlx=str(getattr(mx, "__version__", "unknown")),
@@ -224,7 +225,8 @@ def _verify_curve(
             logits = output_logits(model, target_hidden(model, cache, tree))  # (1, N, V)
             return mx.argmax(logits, axis=-1)
 
-        return _time(verify, repeats)
+        # Sharded: every rank runs the sweep's forwards together and stops at the same N.
+        return agreed_seconds(_time(verify, repeats), sharding_group(model))
 
     return sweep(sizes, seconds, ceiling)
 
@@ -333,6 +335,11 @@ def measure(
     )
     lookup = _lookup_cost(model, drafter, bands[-1], repeats)
     sample = _sample_cost(model, repeats)
+    # Sharded: rank 0's figures on every rank, so every rank chooses the same trees.
+    local = [*first, *level, lookup, sample]
+    agreed = agreed_values(local, sharding_group(model))
+    first, level = tuple(agreed[: len(first)]), tuple(agreed[len(first) : len(local) - 2])
+    lookup, sample = agreed[-2], agreed[-1]
     return Calibration(
         key=calibration_key(model, drafter),
         sizes=tuple(sizes),
@@ -380,13 +387,9 @@ def cached_calibration(
     folder = calibration_folder() if folder is None else Path(folder)
     key = calibration_key(model, drafter)
     path = folder / f"{key.digest}.json"
-    if not remeasure and path.is_file():
-        try:
-            stored = Calibration.from_dict(json.loads(path.read_text()))
-            if stored.key == key:
-                return stored, False
-        except (ValueError, TypeError, KeyError):
-            pass  # unreadable or from another format: measure again
+    stored = None if remeasure else _read_calibration(path, key)
+    if _every_rank_has(stored, sharding_group(model)) and stored is not None:
+        return stored, False
     if announce:
         print(
             f"mlx-redrafter: measuring the step cost of this model on {key.device} for the "
@@ -396,6 +399,30 @@ def cached_calibration(
     calibration = measure(model, drafter)
     write_json(path, calibration.to_dict())
     return calibration, True
+
+
+def _every_rank_has(stored: Calibration | None, group: mx.distributed.Group | None) -> bool:
+    """Whether every rank of `group` holds the same figures as rank 0 (a collective;
+    sharded ranks measure together unless they do, so that they choose alike)."""
+    if group is None:
+        return stored is not None
+    figures = {} if stored is None else stored.to_dict()
+    figures = {k: v for k, v in figures.items() if k not in ("key", "seconds")}
+    text = json.dumps(figures, sort_keys=True).encode()
+    digest = float(int(hashlib.sha256(text).hexdigest()[:5], 16))  # exact in float32
+    first = agreed_values([digest], group)[0]  # every rank takes part, whatever it holds
+    return all_ranks(stored is not None and first == digest, group)
+
+
+def _read_calibration(path: Path, key: CalibrationKey) -> Calibration | None:
+    """The calibration stored at `path` when it is readable and has this key."""
+    if not path.is_file():
+        return None
+    try:
+        stored = Calibration.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, KeyError):
+        return None  # unreadable or from another format: measure again
+    return stored if stored.key == key else None
 
 
 def format_calibration(calibration: Calibration) -> str:

@@ -89,12 +89,15 @@ def target_fingerprint(model: nn.Module, tokenizer: Any) -> TargetFingerprint:
     ids = mx.array([min(i, vocab_size - 1) for i in _probe_ids(vocab_size)])
     rows = embed(ids).astype(mx.float32)[:, :PROBE_DIMS]  # (PROBE_ROWS, <= PROBE_DIMS)
     values = np.array(rows).round(5)
+    # The whole model's depth: a pipeline stage's `layers` are only its own.
+    args = getattr(model, "args", None)
     layers = getattr(model, "layers", None) or getattr(model.model, "layers", [])
+    depth = int(getattr(args, "num_hidden_layers", None) or len(layers))
     return TargetFingerprint(
         model_type=str(getattr(getattr(model, "args", None), "model_type", type(model).__module__)),
         hidden_size=hidden_size,
         vocab_size=vocab_size,
-        num_layers=len(layers),
+        num_layers=depth,
         tokenizer=tokenizer_digest(tokenizer),
         probe=tuple(tuple(float(v) for v in row) for row in values),
     )

@@ -7,9 +7,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as load_mlx_lm
 
+from .distributed import SHARD_MODES, ShardingError, barrier, shard_model
 from .drafter import Drafter
 from .target import prepare_target
 
@@ -75,6 +77,7 @@ def check_made_for(folder: Path, fingerprint: Any, model_name: str) -> None:
 def load(
     model: str | os.PathLike[str] | None = None,
     drafter: str | os.PathLike[str] | None = None,
+    shard: str | None = None,
 ) -> tuple[nn.Module, Drafter | None, Any]:
     """Load (model, drafter, tokenizer).
 
@@ -88,12 +91,26 @@ def load(
         drafter matched by the fingerprint of the model's weights and tokenizer), or
         none (lookup-only speculation). A drafter whose `target.json` names another
         model is an error naming both.
+    shard: under `mlx.launch`, split the model across the ranks with mlx-lm's own
+        sharding, "tensor" or "pipeline" (`distributed.py`); every rank holds the
+        whole drafter and runs the same decoding loop.
     The model is an unmodified mlx-lm model (mlx_lm.generate runs on it) and the
     tokenizer is mlx-lm's TokenizerWrapper.
     """
-    model_path = _model_path(model)
-    loaded = load_mlx_lm(model_path)
-    target, tokenizer = loaded[0], loaded[1]
+    group = None
+    if shard is not None:
+        if shard not in SHARD_MODES:
+            raise ShardingError(
+                f"unknown shard mode {shard!r}: use one of {', '.join(SHARD_MODES)}"
+            )
+        group = mx.distributed.init()
+    model_path = _model_path_first_on_rank_0(model, group)
+    # Sharded: loaded lazily, so each rank reads only the weights of its shard.
+    target, tokenizer = load_mlx_lm(model_path, lazy=shard is not None)[:2]
+    if shard is not None and group is not None:
+        shard_model(target, shard, group)
+        mx.eval(target.parameters())
+        barrier(group)
     prepare_target(target)
     local = Path(model_path) if Path(model_path).is_dir() else None
     if drafter is None:
@@ -117,6 +134,18 @@ def load(
     if loaded_drafter is not None:
         loaded_drafter.check_fits(target)
     return target, loaded_drafter, tokenizer
+
+
+def _model_path_first_on_rank_0(
+    model: str | os.PathLike[str] | None, group: mx.distributed.Group | None
+) -> str:
+    """`_model_path`, run by rank 0 before the others: an embedded model is converted
+    once, not by every rank at the same time."""
+    if group is None or group.size() == 1:
+        return _model_path(model)
+    path = _model_path(model) if group.rank() == 0 else ""
+    barrier(group)
+    return path or _model_path(model)
 
 
 def _model_path(model: str | os.PathLike[str] | None) -> str:

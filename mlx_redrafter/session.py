@@ -48,12 +48,15 @@ from .decode import (
     plan_step,
     step_functions,
 )
+from .distributed import agreed_key, agreed_seconds, sharding_group
 from .drafter import Drafter
 from .kernels import Kernels
 from .logprobs import MAX_TOP, TokenLogprob
 from .metrics import RequestMetrics
 from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
 from .prompt_cache import PromptCache
+from .streams import THREAD as _THREAD
+from .streams import generation_stream
 from .target import TargetCache, context_length, prepare_target
 
 
@@ -243,18 +246,6 @@ class SessionStats:
     steps_by_tree: dict[str, int] = field(default_factory=dict)
 
 
-_THREAD = threading.local()
-
-
-def generation_stream() -> Any:
-    """This thread's generation stream, made once per thread (an MLX stream belongs to
-    the thread that made it, and each stream holds a worker of its own)."""
-    stream = getattr(_THREAD, "stream", None)
-    if stream is None:
-        stream = _THREAD.stream = mx.new_stream(mx.default_device())
-    return stream
-
-
 _WIRED = threading.Lock()
 _wired_users = 0
 
@@ -326,6 +317,7 @@ class DecodingSession:
         for candidate in self.policy.trees:
             check_tree(candidate, drafter)
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
+        self.group = sharding_group(model)  # sharded over ranks that decode in step
         self.cache_config = cache or CacheConfig()
         self.clock, self.prefetch = clock, prefetch
         self.prefill_chunk = prefill_chunk
@@ -380,6 +372,8 @@ class DecodingSession:
         """
         for request in requests:
             self._check(request)
+        if self.group is not None:  # sharded: every rank samples with rank 0's keys
+            requests = [replace(r, key=agreed_key(r.key, self.group)) for r in requests]
         ids = [next(self._ids) for _ in requests] if ids is None else list(ids)
         if len(set(ids)) != len(ids) or self._in_flight() & set(ids):
             raise ValueError(
@@ -565,7 +559,8 @@ class DecodingSession:
             output = decode_step(
                 self.model, steps, state, self.clock, self.prefetch, look_ahead, top
             )
-        seconds = time.perf_counter() - started
+        # Sharded: rank 0's time on every rank, so every rank chooses the same next tree.
+        seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
         self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
         self._count(used, batch_size)
@@ -599,8 +594,10 @@ class DecodingSession:
         """Whether a plain step of `tree` should launch the next step before its sync:
         the next tree (chosen now) is plain and no row reaches max_tokens or the
         context on this step. A row that ends on an EOS or a stop string drops the
-        launched step, as mlx-lm's loop computes one token past its EOS."""
-        if not self.prefetch or self.clock is not None:
+        launched step, as mlx-lm's loop computes one token past its EOS. Never for a
+        sharded model: a forward launched ahead would put its collectives before
+        this step's on one pipeline stage and after them on the other."""
+        if not self.prefetch or self.clock is not None or self.group is not None:
             return False
         if not self.step_functions(tree).plan.plain:
             return False

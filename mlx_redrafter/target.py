@@ -67,6 +67,13 @@ def model_family(model: nn.Module) -> str:
     return str(getattr(model, "model_type", None) or getattr(args, "model_type", "unknown"))
 
 
+def local_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers this process runs: all of them, or its stage's when mlx-lm's
+    pipeline sharding split the model (`distributed.py`)."""
+    stage = getattr(model.model, "pipeline_layers", None)
+    return list(model.layers if stage is None else stage)
+
+
 def _rope_parents(model: nn.Module) -> list[nn.Module]:
     return [
         module
@@ -121,6 +128,7 @@ def prepare_target(model: nn.Module) -> nn.Module:
         )
     probe = mx.array([[0, 1]])
     expected = model(probe)
+    mx.eval(expected)  # one forward at a time (a sharded model's collectives pair up in order)
     recovered = output_logits(model, model.model(probe))
     if expected.shape != recovered.shape or not mx.allclose(expected, recovered).item():
         raise UnsupportedModelError(
@@ -263,7 +271,8 @@ def _zero_rows(like: Any, rows: int) -> Any:
 
 
 def _length(stored: Any) -> int:
-    first = stored[0] if isinstance(stored, tuple) else stored
+    # Quantized: a tuple, or a list after mlx-lm's pipeline wraps it in mx.depends.
+    first = stored[0] if isinstance(stored, (tuple, list)) else stored
     return int(first.shape[2])
 
 
@@ -298,7 +307,7 @@ class TargetCache:
             QuantizedTreeLayerCache(self, config.kv_bits, config.kv_group_size)
             if config.kv_bits is not None
             else TreeLayerCache(self)
-            for _ in model.layers
+            for _ in local_layers(model)
         ]
         heads = getattr(getattr(model, "args", None), "num_attention_heads", 0)
         kv_heads = getattr(getattr(model, "args", None), "num_key_value_heads", heads)

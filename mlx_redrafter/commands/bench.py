@@ -17,6 +17,7 @@ from ..bench import (
     write_result,
 )
 from ..config import DEFAULT_TREE, SamplingConfig
+from ..distributed import SHARD_MODES, is_main_process
 from ..files import write_json
 from ..prompts import MT_BENCH, encode_prompt, read_prompts
 from .common import load_from_args, parse_trees
@@ -100,6 +101,12 @@ def register(commands: Any) -> None:
     bench.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument(
+        "--shard",
+        choices=SHARD_MODES,
+        help="under mlx.launch: split the model across the ranks; every method, mlx-lm's "
+        "included, decodes the sharded model; rank 0 reports",
+    )
+    bench.add_argument(
         "--second-turns",
         type=int,
         default=None,
@@ -125,8 +132,10 @@ def run_second_turns(args: argparse.Namespace) -> int:
         tokenizer,
         pairs[: args.second_turns + 1],
         args.max_tokens,
-        progress_printer(),
+        progress_printer() if is_main_process() else None,
     )
+    if not is_main_process():
+        return 0
     print(file=sys.stderr)
     print(
         f"{result['conversations']} second turns, {result['max_tokens']} tokens each: "
@@ -173,9 +182,11 @@ def run(args: argparse.Namespace) -> int:
     model, drafter, tokenizer = load_from_args(args)
     prompts = [encode_prompt(tokenizer, record.messages) for record in records]
     categories = [record.source for record in records]
-    result = run_benchmark(
-        model, drafter, tokenizer, prompts, config, progress_printer(), categories
-    )
+    shown = is_main_process()  # sharded: every rank decodes, rank 0 reports
+    progress = progress_printer() if shown else None
+    result = run_benchmark(model, drafter, tokenizer, prompts, config, progress, categories)
+    if not shown:
+        return 0
     print(file=sys.stderr)
     warning = slow_blas_warning(result["environment"])
     if warning:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..calibrate import cached_calibration, calibration_folder, format_calibration
+from ..distributed import SHARD_MODES, is_main_process
 from .common import load_from_args
 
 
@@ -32,6 +33,12 @@ def register(commands: Any) -> None:
     parser.add_argument("--no-drafter", action="store_true", help="calibrate without a drafter")
     parser.add_argument("--remeasure", action="store_true", help="ignore the cached curve")
     parser.add_argument("--plot", type=Path, help="also write the curve as a PNG here")
+    parser.add_argument(
+        "--shard",
+        choices=SHARD_MODES,
+        help="under mlx.launch: measure the model split across the ranks (the network's "
+        "cost included); rank 0 prints",
+    )
     parser.set_defaults(run=run)
 
 
@@ -39,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     args.model = args.model_name or args.model
     model, drafter, _ = load_from_args(args)
     calibration, measured = cached_calibration(model, drafter, remeasure=args.remeasure)
+    if not is_main_process():
+        return 0
     how = f"measured in {calibration.seconds:.1f} s" if measured else "cached"
     key = calibration.key
     print(

@@ -11,6 +11,7 @@ import mlx.nn as nn
 
 from ..config import TreeConfig
 from ..decode import plan_step
+from ..distributed import is_main_process
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load
 
@@ -20,8 +21,10 @@ def load_from_args(args: argparse.Namespace) -> tuple[nn.Module, Drafter | None,
     no_drafter = getattr(args, "no_drafter", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", NoShippedDrafterWarning)
-        model, drafter, tokenizer = load(args.model, None if no_drafter else args.drafter)
-    for note in caught:
+        model, drafter, tokenizer = load(
+            args.model, None if no_drafter else args.drafter, getattr(args, "shard", None)
+        )
+    for note in caught if is_main_process() else []:
         print(f"note: {note.message}", file=sys.stderr)
     return model, None if no_drafter else drafter, tokenizer
 

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from ..config import DEFAULT_TREE
+from ..distributed import SHARD_MODES, is_main_process
 from ..generate import format_summary, stream_generate
 from ..prompts import chat_tokens
 from .common import describe_tree, load_from_args, parse_tree
@@ -69,6 +70,12 @@ def register(commands: Any) -> None:
         help="send the prompt as raw text instead of a chat turn",
     )
     add_generation_arguments(gen)
+    gen.add_argument(
+        "--shard",
+        choices=SHARD_MODES,
+        help="under mlx.launch: split the model across the ranks (tensor or pipeline "
+        "parallel, mlx-lm's sharding); rank 0 prints",
+    )
     gen.set_defaults(run=run)
 
 
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = _chat_prompt(tokenizer, args.prompt, not args.no_chat_template)
     started = time.perf_counter()
     last = None
+    shown = is_main_process()  # sharded: every rank decodes, rank 0 prints
     for response in stream_generate(
         model,
         drafter,
@@ -98,8 +106,11 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         tree=tree,
     ):
-        print(response.text, end="", flush=True)
+        if shown:
+            print(response.text, end="", flush=True)
         last = response
+    if not shown:
+        return 0
     print()
     if last is not None:
         summary = format_summary(last, time.perf_counter() - started)
