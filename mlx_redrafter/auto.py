@@ -247,10 +247,7 @@ class AutoTree:
 
     every: steps between choices (a chosen tree runs at least this long, so its shape
     is compiled once and used); margin: a new tree must promise this much more
-    speed than the current one to replace it; explore: until plain decoding has run,
-    a tree must promise this much more speed than plain to be chosen over it (plain
-    steps run pipelined, each launched before the last one's sync, so they cost less
-    than the calibrated forward of one token; the first plain steps measure that).
+    speed than the current one to replace it.
     """
 
     def __init__(
@@ -261,14 +258,13 @@ class AutoTree:
         *,
         every: int = 4,
         margin: float = 0.03,
-        explore: float = 0.3,
     ):
         self.calibration, self.candidates = calibration, candidates
         kinds = (int(candidates.width.max()), int(candidates.branches.max()))
         if not prior.lookup:
             prior = replace(prior, lookup=LOOKUP_PRIOR.lookup)
         self.acceptance = AcceptanceEstimate(prior_cube(prior, kinds[0], kinds[1], DEPTH))
-        self.every, self.margin, self.explore = every, margin, explore
+        self.every, self.margin = every, margin
         self.overhead = 0.0  # measured step time beyond the calibrated cost (seconds)
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._age: dict[int, int] = {}
@@ -276,7 +272,6 @@ class AutoTree:
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
         self._sampled = False
         self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
-        self.measured = np.zeros(len(candidates.trees), dtype=bool)  # has run, per tree
 
     @classmethod
     def for_model(cls, model: nn.Module, drafter: Drafter | None, **options: float) -> AutoTree:
@@ -326,9 +321,7 @@ class AutoTree:
             speeds = self.speeds(batch_size, context, sampled)
             self._sampled = sampled
             best = int(np.argmax(speeds))
-            if not self.measured[0] and speeds[best] < speeds[0] * (1 + self.explore):
-                current = 0  # plain decoding (index 0), to measure what it really costs
-            elif current is None or speeds[best] > speeds[current] * (1 + self.margin):
+            if current is None or speeds[best] > speeds[current] * (1 + self.margin):
                 current = best
             self.current[batch_size], age = current, 0
         self._age[batch_size] = age + 1
@@ -347,7 +340,6 @@ class AutoTree:
         )
         index = self._index.get(tree)
         if index is not None:
-            self.measured[index] = True
             predicted = float(self.calibrated(batch_size, context, self._sampled)[index])
             # The step's host work and anything else the calibration did not see ...
             gap = max(seconds - predicted, -0.5 * predicted)

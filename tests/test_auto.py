@@ -161,41 +161,6 @@ def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
     assert auto.factor[index] > 1.5 and auto.choose(1) != slow
 
 
-def _weak_drafter_steps(auto: AutoTree, plain_share: float, steps: int = 200) -> list:
-    """Steps where one drafted token in six is accepted and plain steps cost
-    `plain_share` of their calibrated time (pipelined); the trees chosen."""
-    rng = np.random.default_rng(0)
-    chosen = []
-    for _ in range(steps):
-        tree = auto.choose(1)
-        chosen.append(tree)
-        runs = (rng.random((1, tree.num_branches)) < 1 / 6).astype(int)
-        seconds = float(auto.calibrated(1, 0)[auto._index[tree]])
-        auto.record(tree, 1, seconds * (plain_share if tree == PLAIN_DECODING else 1), runs, 0)
-    return chosen
-
-
-def test_plain_decoding_is_measured_before_a_tree_that_barely_beats_it():
-    """A weak drafter's small tree is predicted a little faster than plain decoding's
-    calibrated cost; plain runs first, and where its pipelined steps cost 30% less,
-    it stays the choice."""
-    curve = synthetic(lambda n: 0.010 * (1 + 0.05 * (n - 1)))
-    weak = AcceptanceTable(beams=((0.17, 0.03, 0.01, 0.0, 0.0, 0.0),) * 8, lookup=((0.0,) * 9,))
-    auto = auto_tree(curve, weak)
-    assert auto.speeds(1, 0).argmax() != 0  # a tree is predicted to pay ...
-    assert auto.choose(1) == PLAIN_DECODING  # ... but plain is measured first
-    chosen = _weak_drafter_steps(auto_tree(curve, weak), plain_share=0.7)
-    assert sum(tree == PLAIN_DECODING for tree in chosen[50:]) / 150 > 0.9
-    # Where plain costs what the calibration says, the tree takes over again.
-    chosen = _weak_drafter_steps(auto_tree(curve, weak), plain_share=1.0)
-    assert sum(tree != PLAIN_DECODING for tree in chosen[50:]) / 150 > 0.5
-
-
-def test_a_tree_far_ahead_of_plain_is_chosen_at_once():
-    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.02 * (n - 1))))
-    assert auto.choose(1) != PLAIN_DECODING and not auto.measured[0]
-
-
 def test_measured_step_times_beyond_the_curve_count_as_overhead():
     auto = auto_tree(synthetic(lambda n: 0.010))
     tree = auto.choose(1)
