@@ -217,6 +217,7 @@ def _verify_curve(
     vocab = int(model.model.embed_tokens.weight.shape[0])
     prompt = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0)).astype(mx.int32)
     cache = _random_context(model, prompt)
+    group = sharding_group(model)
 
     def seconds(size: int) -> float:
         tree = chain_tree(prompt[:, :size])  # (1, N): a tree's cost does not depend on its shape
@@ -226,7 +227,7 @@ def _verify_curve(
             return mx.argmax(logits, axis=-1)
 
         # Sharded: every rank runs the sweep's forwards together and stops at the same N.
-        return agreed_seconds(_time(verify, repeats), sharding_group(model))
+        return agreed_seconds(_time(verify, repeats), group)
 
     return sweep(sizes, seconds, ceiling)
 

@@ -105,7 +105,7 @@ def load(
             )
         group = mx.distributed.init()
     model_path = _model_path_first_on_rank_0(model, group)
-    # Sharded: loaded lazily, so each rank reads only the weights of its shard.
+    # Sharded: loaded lazily, so each rank evaluates (keeps) only its shard's weights.
     target, tokenizer = load_mlx_lm(model_path, lazy=shard is not None)[:2]
     if shard is not None and group is not None:
         shard_model(target, shard, group)
