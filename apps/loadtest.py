@@ -7,11 +7,20 @@
         not depend on the drafter's weights, so an untrained drafter of the shipped
         shape (or --drafter) measures it.
 
-    python -m mlx_redrafter.apps.loadtest http [--clients 1,4,8] [--requests 2] [--max-tokens 48]
-        Starts the server on a loopback port (in this process), then for each number of
-        concurrent clients sends a bounded number of streamed chat requests per client:
-        speculation off, on with the --tree policy as is ("fixed"), and on with the
-        speed guard the server uses by default ("guarded"); prints throughput and latency.
+    python -m mlx_redrafter.apps.loadtest http [--clients 1,2,4,8] [--requests 2]
+            [--max-tokens 64] [--against-mlx-lm] [--out DIR]
+        Starts each server in its own process on a loopback port (mlx_lm.server with
+        --against-mlx-lm, then `mlx-redrafter serve` with speculation off and on: the
+        auto tree, or a --tree as is ("fixed") and with its speed guard ("guarded")),
+        and for each number of concurrent clients sends a bounded number of streamed
+        greedy chat requests per client; prints throughput, latency and time to first
+        token (p50, p95) and writes loadtest.json and loadtest.png to --out.
+
+    python -m mlx_redrafter.apps.loadtest soak [--clients 4] [--minutes 2] [--requests 1000]
+        Concurrent clients send mixed short and long greedy requests, drop some streams
+        and requests mid-way and send bad requests, for a bounded time; then checks no
+        5xx, no row left in the batch, resident memory flat after the first quarter,
+        and every completed reply equal to the same request served alone (`soak.py`).
 
     python -m mlx_redrafter.apps.loadtest stall [--prompt-tokens 1024,4096] [--prefill-latency 0.5]
         One request decodes; a long prompt joins. For whole prefills and for chunks
@@ -26,17 +35,23 @@ All load the embedded default model unless --model is given. Everything stays on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from mlx_redrafter.commands.serve import add_capacity_arguments
 from mlx_redrafter.config import DEFAULT_TREE, PLAIN_DECODING, StopConfig, TreeConfig
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.session import DecodingSession, Request
@@ -228,55 +243,156 @@ def load_round(
     return run, time.perf_counter() - started
 
 
-def http_load(args: argparse.Namespace) -> int:
-    from mlx_redrafter.policy import SpeedGuard, TreePolicy
+def percentile(values: list[float], share: float) -> float:
+    """The value below which `share` of the sorted `values` lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
 
-    from .batcher import Batcher
-    from .server import BackgroundServer, Server, create_app
 
-    model, drafter, tokenizer = load_models(args)
-    if drafter is None and args.tree not in ("plain", "auto"):
-        print("note: no drafter: both runs decode plainly", file=sys.stderr)
-    deadline = time.monotonic() + args.time_limit
-    counts = [int(c) for c in args.clients.split(",")]
-    modes: list[tuple[str, TreePolicy | str, SpeedGuard | None]] = [("off", TreePolicy(()), None)]
+def summarize(name: str, clients: int, run: Run, wall: float) -> dict[str, Any]:
+    """One round's figures: throughput of all clients, latency and first-token
+    percentiles, mean tau (0 where the server reports none)."""
+    latencies = [s.seconds for s in run.samples]
+    firsts = [s.first_token for s in run.samples]
+    return {
+        "server": name,
+        "clients": clients,
+        "requests": len(run.samples),
+        "failed": run.errors,
+        "tokens_per_second": sum(s.tokens for s in run.samples) / wall,
+        "latency_p50": percentile(latencies, 0.5),
+        "latency_p95": percentile(latencies, 0.95),
+        "first_token_p50": percentile(firsts, 0.5),
+        "first_token_p95": percentile(firsts, 0.95),
+        "tau": statistics.mean(s.tau for s in run.samples),
+    }
+
+
+HEADER = (
+    "| server | clients | requests | tokens/s (all clients) | latency p50 / p95 (s) "
+    "| first token p50 / p95 (s) | mean tau |\n| --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def table_row(row: dict[str, Any]) -> str:
+    failed = f" ({row['failed']} failed)" if row["failed"] else ""
+    tau = f"{row['tau']:.2f}" if row["tau"] else "-"
+    return (
+        f"| {row['server']} | {row['clients']} | {row['requests']}{failed} | "
+        f"{row['tokens_per_second']:.1f} | {row['latency_p50']:.1f} / {row['latency_p95']:.1f} | "
+        f"{row['first_token_p50']:.2f} / {row['first_token_p95']:.2f} | {tau} |"
+    )
+
+
+def rounds(
+    name: str, host: str, port: int, args: argparse.Namespace, deadline: float
+) -> list[dict[str, Any]]:
+    """A warm-up request, then a round per number of clients against one server."""
+    # One short request first: the first forward of a shape compiles kernels.
+    warm = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    stream_chat(host, port, warm, timeout=300)
+    rows = []
+    for clients in (int(c) for c in args.clients.split(",")):
+        run, wall = load_round(host, port, clients, args.requests, args.max_tokens, deadline)
+        if not run.samples:
+            print(f"| {name} | {clients} | 0 | (time limit reached) | | | |", flush=True)
+            continue
+        rows.append(summarize(name, clients, run, wall))
+        print(table_row(rows[-1]), flush=True)
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server_process(command: list[str], ready_path: str) -> Iterator[None]:
+    """Run a server command (listening on 127.0.0.1) until the block ends; wait up to
+    300 s for `ready_path` to answer 200 first."""
+    # Quiet: servers log every request; run the command by hand to see why it fails.
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = int(command[command.index("--port") + 1])
+    try:
+        ready = time.monotonic() + 300
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(
+                    f"the server exited with status {server.returncode}: "
+                    f"run {' '.join(command)} to see why"
+                )
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("GET", ready_path)
+                if connection.getresponse().status == 200:
+                    break
+            except OSError:
+                if time.monotonic() > ready:
+                    raise RuntimeError(f"{command[:4]} did not answer within 300 s") from None
+                time.sleep(1.0)
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def server_commands(args: argparse.Namespace, port: int) -> list[tuple[str, list[str], str]]:
+    """(name, command, readiness path) of every server the load test runs: mlx_lm.server
+    (with --against-mlx-lm), then `mlx-redrafter serve` with speculation off and on,
+    all on the same model folder and otherwise with their default settings."""
+    from mlx_redrafter.loading import model_path
+
+    python = sys.executable
+    common = ["--model", model_path(args.model), "--host", "127.0.0.1", "--port", str(port)]
+    servers = []
+    if args.against_mlx_lm:
+        servers.append(("mlx_lm.server", [python, "-m", "mlx_lm.server", *common], "/health"))
+    ours = [python, "-c", "import sys; from mlx_redrafter.cli import main; sys.exit(main())"]
+    ours += ["serve", *common] + (["--drafter", args.drafter] if args.drafter else [])
+    modes = [("off", ["--tree", "plain"])]
     if args.tree.strip().lower() == "auto":
-        modes.append(("on, auto", "auto", None))
+        modes.append(("on, auto", []))
     else:
-        on = TreePolicy.parse(args.tree)
-        modes += [("on, fixed", on, None), ("on, guarded", on, SpeedGuard())]
-    print("| speculation | clients | requests | tokens/s (all clients) | latency mean / p90 (s) "
-          "| first token mean (s) | mean tau |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, policy, guard in modes:
-        speculative = drafter if isinstance(policy, str) or policy.tiers else None
-        batcher = Batcher(model, speculative, tokenizer, policy, seed=0, guard=guard)
-        batcher.warm_up()
-        server = BackgroundServer(create_app(Server(batcher, "model")))
-        with server:
-            # One short request first: the first forward of a shape compiles kernels.
-            warm = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-            stream_chat(server.host, server.port, {**warm, "stream": True}, timeout=120)
-            for clients in counts:
-                run, wall = load_round(
-                    server.host, server.port, clients, args.requests, args.max_tokens, deadline
-                )
-                if not run.samples:
-                    print(f"| {name} | {clients} | 0 | (time limit reached) | | | |")
-                    continue
-                latencies = sorted(s.seconds for s in run.samples)
-                p90 = latencies[min(len(latencies) - 1, int(0.9 * len(latencies)))]
-                tokens = sum(s.tokens for s in run.samples)
-                print(
-                    f"| {name} | {clients} | {len(run.samples)}"
-                    + (f" ({run.errors} failed)" if run.errors else "")
-                    + f" | {tokens / wall:.1f} | {statistics.mean(latencies):.1f} / {p90:.1f} | "
-                    f"{statistics.mean(s.first_token for s in run.samples):.2f} | "
-                    f"{statistics.mean(s.tau for s in run.samples):.2f} |",
-                    flush=True,
-                )
-        batcher.close()
+        modes += [("on, fixed", ["--tree", args.tree, "--fixed-tree"])]
+        modes += [("on, guarded", ["--tree", args.tree])]
+    for name, flags in modes:
+        servers.append((f"mlx-redrafter, {name}", ours + flags, "/v1/models"))
+    return servers
+
+
+def http_load(args: argparse.Namespace) -> int:
+    """Every server in turn, each in its own process, the clients in this one."""
+    deadline = time.monotonic() + args.time_limit
+    print(HEADER, flush=True)
+    rows = []
+    for name, command, ready in server_commands(args, free_port()):
+        port = int(command[command.index("--port") + 1])
+        with server_process(command, ready):
+            rows += rounds(name, "127.0.0.1", port, args, deadline)
+    if args.out:
+        write_load_results(Path(args.out), rows, args)
     return 0
+
+
+def write_load_results(folder: Path, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """loadtest.json (every round) and loadtest.png (throughput and p95 latency by clients;
+    needs matplotlib)."""
+    from mlx_redrafter.bench import environment
+    from mlx_redrafter.files import write_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"requests_per_client": args.requests, "max_tokens": args.max_tokens}
+    result = {"environment": environment(), "config": settings, "rounds": rows}
+    write_json(folder / "loadtest.json", result)
+    print(f"wrote {folder / 'loadtest.json'}")
+    try:
+        from mlx_redrafter.bench_plots import plot_load
+
+        print(f"wrote {plot_load(rows, folder / 'loadtest.png')}")
+    except ValueError as error:  # no matplotlib
+        print(f"note: no plot: {error}", file=sys.stderr)
 
 
 @dataclass
@@ -336,6 +452,44 @@ def stall(args: argparse.Namespace) -> int:
     return 0
 
 
+def soak_server(args: argparse.Namespace) -> int:
+    """The soak test against this project's server (in this process), configured as
+    `serve` is (auto tree, prefix cache, prefill chunks)."""
+    from mlx_redrafter.commands.serve import capacity_batcher
+
+    from .server import BackgroundServer, Server, create_app
+    from .soak import SoakConfig, long_prompts, run_soak
+
+    model, drafter, tokenizer = load_models(args)
+    batcher = capacity_batcher(args, model, drafter, tokenizer, args.tree)
+    short = prompts()
+    texts = short + long_prompts(short, max(1, len(short) // 4), parts=6)
+    config = SoakConfig(
+        clients=args.clients, seconds=60 * args.minutes, requests=args.requests, seed=args.seed
+    )
+    prefixes = batcher.prefixes
+
+    def cached() -> int:
+        return prefixes.nbytes if prefixes is not None else 0
+
+    with BackgroundServer(create_app(Server(batcher, "model"))) as server:
+        report = run_soak(server.port, texts, config, cached)
+    batcher.close()
+    summary = report.summary()
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        from mlx_redrafter.bench import environment
+        from mlx_redrafter.files import write_json
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        settings = {k: getattr(args, k) for k in ("clients", "minutes", "requests", "seed")}
+        settings["prompt_cache_mb"] = args.prompt_cache_mb
+        result = {"environment": environment(), "config": settings, "soak": summary}
+        write_json(Path(args.out) / "soak.json", result)
+    print("soak: " + ("passed" if report.passed else "FAILED"))
+    return 0 if report.passed else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_redrafter.apps.loadtest",
@@ -361,7 +515,22 @@ def main(argv: list[str] | None = None) -> int:
     load.add_argument("--max-tokens", type=int, default=48)
     load.add_argument("--tree", default=DEFAULT_TREE, help="tree or policy when speculation is on")
     load.add_argument("--time-limit", type=float, default=1800, help="seconds for everything")
+    load.add_argument(
+        "--against-mlx-lm",
+        action="store_true",
+        help="first run the same rounds against mlx_lm.server on the same model folder",
+    )
+    load.add_argument("--out", default=None, help="folder for loadtest.json and loadtest.png")
     load.set_defaults(run=http_load)
+    endure = sub.add_parser("soak", help="clients, disconnects and bad requests for a while")
+    endure.add_argument("--clients", type=int, default=4)
+    endure.add_argument("--minutes", type=float, default=2.0)
+    endure.add_argument("--requests", type=int, default=1000, help="bound on all requests")
+    endure.add_argument("--tree", default=DEFAULT_TREE)
+    endure.add_argument("--seed", type=int, default=0)
+    add_capacity_arguments(endure)
+    endure.add_argument("--out", default=None, help="folder for soak.json")
+    endure.set_defaults(run=soak_server)
     pause = sub.add_parser("stall", help="how long a long prompt pauses a running request")
     pause.add_argument("--prompt-tokens", default="1024,4096")
     pause.add_argument("--prefill-latency", type=float, default=0.5)

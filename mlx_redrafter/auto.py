@@ -13,7 +13,11 @@ built-in table for lookup branches) and follows the current generation: every
 step tells how many tokens each candidate had accepted, and a running estimate
 with a short memory replaces the prior where it has seen enough. A tree that stops
 paying (text the drafter cannot guess, nothing to copy) gives way to plain
-decoding; as the estimate forgets, it is tried again now and then.
+decoding; as the estimate forgets, it is tried again now and then. While no lookup
+branches are verified, the estimate still learns theirs in hindsight: every few
+steps the session checks what branches drafted a few tokens back would have had
+accepted (`lookup.hindsight_runs`), so copying text switches lookup trees on without
+spending a single verification on them.
 """
 
 from __future__ import annotations
@@ -272,6 +276,11 @@ class AutoTree:
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
         self._sampled = False
         self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
+        self._unchecked = 0  # steps since lookup branches were last observed
+        longest = int(np.max(np.where(candidates.branches > 0, candidates.branch_length, 0)))
+        self._hindsight = (
+            TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
+        )
 
     @classmethod
     def for_model(cls, model: nn.Module, drafter: Drafter | None, **options: float) -> AutoTree:
@@ -326,6 +335,25 @@ class AutoTree:
             self.current[batch_size], age = current, 0
         self._age[batch_size] = age + 1
         return self.candidates.trees[current]
+
+    def hindsight(self, tree: TreeConfig) -> TreeConfig | None:
+        """The lookup branches (G, Ll) to check in hindsight after a step of `tree`: the
+        widest and longest candidate ones, every `every` steps without any verified;
+        None otherwise."""
+        if self._hindsight is None or tree.lookup_branches:
+            self._unchecked = 0
+            return None
+        self._unchecked += 1
+        if self._unchecked < self.every:
+            return None
+        self._unchecked = 0
+        return self._hindsight
+
+    def record_hindsight(self, runs: np.ndarray, branches: TreeConfig) -> None:
+        """Learn lookup acceptance from the runs (B, G) that `branches` would have had
+        accepted (a row of -1: not checked)."""
+        none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no drafter beams
+        self.acceptance.observe(none, runs, 1, branches.lookup_branch_length)
 
     def record(
         self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int

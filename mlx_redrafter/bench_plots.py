@@ -97,6 +97,31 @@ def tokens_per_second(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_load(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Throughput and p95 latency by concurrent clients, a line per server (the rounds
+    of `python -m mlx_redrafter.apps.loadtest http`)."""
+    plt = _pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for server in dict.fromkeys(row["server"] for row in rows):
+        mine = [row for row in rows if row["server"] == server]
+        clients = [row["clients"] for row in mine]
+        left.plot(clients, [row["tokens_per_second"] for row in mine], marker="o", label=server)
+        right.plot(clients, [row["latency_p95"] for row in mine], marker="o", label=server)
+    left.set_ylabel("tokens/s, all clients")
+    right.set_ylabel("request latency p95 (s)")
+    counts = sorted({row["clients"] for row in rows})
+    for axes in (left, right):
+        axes.set_xlabel("concurrent clients")
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(counts, [str(c) for c in counts])
+        axes.minorticks_off()
+    left.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [tokens_per_second(result, out_dir / "tokens_per_second.png")]

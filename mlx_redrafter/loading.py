@@ -139,16 +139,16 @@ def load(
 def _model_path_first_on_rank_0(
     model: str | os.PathLike[str] | None, group: mx.distributed.Group | None
 ) -> str:
-    """`_model_path`, run by rank 0 before the others: an embedded model is converted
+    """`model_path`, run by rank 0 before the others: an embedded model is converted
     once, not by every rank at the same time."""
     if group is None or group.size() == 1:
-        return _model_path(model)
-    path = _model_path(model) if group.rank() == 0 else ""
+        return model_path(model)
+    path = model_path(model) if group.rank() == 0 else ""
     barrier(group)
-    return path or _model_path(model)
+    return path or model_path(model)
 
 
-def _model_path(model: str | os.PathLike[str] | None) -> str:
+def model_path(model: str | os.PathLike[str] | None) -> str:
     """A folder or Hub id for mlx_lm.load (embedded names converted on first use)."""
     from .defaults import default_model_path, embedded_model_path
 

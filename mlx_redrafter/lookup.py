@@ -78,3 +78,29 @@ def lookup_branches(
     beams = mx.concatenate([roots, copied], axis=-1)  # (B, G, L)
     fill = mx.broadcast_to(fallback[:, None, :], beams.shape)  # (B, G, L)
     return mx.where(found[:, :, None], beams, fill).astype(mx.int32)
+
+
+def hindsight_runs(
+    history: mx.array,
+    lengths: mx.array,
+    num_branches: int,
+    beam_length: int,
+    max_ngram: int,
+) -> mx.array:
+    """How many tokens lookup branches would have had accepted, had they been drafted
+    L - 1 tokens ago: the branches from each row's text as it was then, compared with
+    the tokens that came since. Greedy decoding makes this exact; under sampling it is
+    the same chance of a match (a copied token is accepted with its probability).
+
+    history: (B, T) each row's tokens, the newest at lengths[b] - 1.
+    lengths: (B,) tokens in each row's history (>= L).
+    Returns runs (B, G): accepted tokens per branch, best branch first.
+    """
+    past = lengths - (beam_length - 1)  # (B,) the history as it was, its root at past - 1
+    roots = mx.take_along_axis(history, past[:, None] - 1, axis=1)  # (B, 1)
+    fallback = mx.broadcast_to(roots, (history.shape[0], beam_length))  # (B, L)
+    branches = lookup_branches(history, past, num_branches, beam_length, max_ngram, fallback)
+    since = past[:, None] + mx.arange(beam_length - 1, dtype=mx.int32)[None, :]  # (B, L-1)
+    actual = mx.take_along_axis(history, since, axis=1)  # (B, L-1) the tokens that came
+    matched = (branches[:, :, 1:] == actual[:, None, :]).astype(mx.int32)  # (B, G, L-1)
+    return mx.sum(mx.cumprod(matched, axis=-1), axis=-1)  # (B, G)

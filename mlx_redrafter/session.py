@@ -28,6 +28,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .auto import AutoTree
 from .config import (
@@ -52,6 +53,7 @@ from .distributed import agreed_key, agreed_seconds, sharding_group
 from .drafter import Drafter
 from .kernels import Kernels
 from .logprobs import MAX_TOP, TokenLogprob
+from .lookup import hindsight_runs
 from .metrics import RequestMetrics
 from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
 from .prompt_cache import PromptCache
@@ -556,6 +558,7 @@ class DecodingSession:
         asked = [self._rows[i].request.logprobs for i in state.row_ids]
         top = max((k for k in asked if k is not None), default=None)
         with mx.stream(generation_stream()):
+            hindsight = self._hindsight(state, tree)
             output = decode_step(
                 self.model, steps, state, self.clock, self.prefetch, look_ahead, top
             )
@@ -563,6 +566,8 @@ class DecodingSession:
         seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
         self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
+        if hindsight is not None:
+            self.policy.record_hindsight(np.array(hindsight[0]), hindsight[1])  # type: ignore[attr-defined]
         self._count(used, batch_size)
         keep = []
         for position, request_id in enumerate(list(state.row_ids)):
@@ -589,6 +594,30 @@ class DecodingSession:
         elif len(keep) != batch_size:
             state.select_rows(keep)
         return updates
+
+    def _hindsight(
+        self, state: DecodeState, tree: TreeConfig
+    ) -> tuple[mx.array, TreeConfig] | None:
+        """The runs (B, G) of the lookup branches the policy asks to check in hindsight
+        on this step (launched now, read after the step's sync), with those branches;
+        rows whose branches would start in their prompt get -1 (not checked)."""
+        ask = getattr(self.policy, "hindsight", None)  # optional (`policy.TreeChoice`)
+        branches = ask(tree) if ask is not None else None
+        if branches is None:
+            return None
+        length = branches.lookup_branch_length
+        known = np.array(state.cache.host_lengths) + 1  # (B,) the root included
+        prompts = np.array([len(self._rows[i].request.prompt) for i in state.row_ids])
+        checked = known - (length - 1) >= prompts  # (B,) every token compared is output
+        if not checked.any() or state.history.shape[1] < length:
+            return None
+        lengths = mx.array(np.maximum(known, length), dtype=mx.int32)  # (B,)
+        runs = hindsight_runs(
+            state.history, lengths, branches.lookup_branches, length, branches.lookup_ngram
+        )  # (B, G)
+        runs = mx.where(mx.array(checked)[:, None], runs, -1)
+        mx.async_eval(runs)
+        return runs, branches
 
     def _look_ahead(self, state: DecodeState, tree: TreeConfig) -> bool:
         """Whether a plain step of `tree` should launch the next step before its sync:

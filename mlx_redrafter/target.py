@@ -17,6 +17,7 @@ to each row's committed context; nothing is recomputed.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -148,7 +149,11 @@ def context_length(model: nn.Module) -> int | None:
 
 
 class TreeLayerCache:
-    """One attention layer's keys and values, shared bookkeeping in `TargetCache`."""
+    """One attention layer's keys and values, shared bookkeeping in `TargetCache`.
+
+    The layer refers to its `TargetCache` weakly: a strong reference both ways would
+    make every finished cache a reference cycle, whose K/V only Python's cyclic
+    garbage collector frees, at a time that has nothing to do with memory."""
 
     step = 256
 
@@ -156,6 +161,17 @@ class TreeLayerCache:
         self.shared = shared
         self.keys: Any = None
         self.values: Any = None
+
+    @property
+    def shared(self) -> TargetCache:
+        cache = self._shared()
+        if cache is None:
+            raise RuntimeError("a layer cache outlived its TargetCache; keep the TargetCache")
+        return cache
+
+    @shared.setter
+    def shared(self, cache: TargetCache) -> None:
+        self._shared = weakref.ref(cache)
 
     @property
     def offset(self) -> mx.array:

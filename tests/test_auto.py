@@ -148,6 +148,34 @@ def test_speculation_switches_off_where_nothing_is_accepted_and_is_retried():
     assert plain < 1.0  # ... but tried again now and then
 
 
+def test_lookup_acceptance_is_learned_in_hindsight_while_decoding_plainly():
+    # On this curve the built-in prior does not make lookup pay: plain decoding.
+    curve = synthetic(lambda n: 0.010 * (1 + 0.3 * (n - 1)))
+    checked, unchecked = (auto_tree(curve, LOOKUP_PRIOR, has_drafter=False) for _ in "ab")
+    assert checked.choose(1) == PLAIN_DECODING == unchecked.choose(1)
+    none = np.zeros((1, 0), dtype=int)
+    for auto, in_hindsight in ((checked, True), (unchecked, False)):
+        for _ in range(40):  # text that copies itself: every branch would be accepted
+            tree = auto.choose(1)
+            runs = np.full((1, tree.num_branches), tree.depth - 1) if tree.num_branches else none
+            auto.record(tree, 1, float(auto.calibrated(1, 0)[auto._index[tree]]), runs, 0)
+            branches = auto.hindsight(tree)
+            if branches is not None and in_hindsight:
+                auto.record_hindsight(np.full((1, branches.lookup_branches), 9), branches)
+    assert checked.choose(1).lookup_branches >= 1
+    assert unchecked.choose(1) == PLAIN_DECODING  # what the hindsight check is for
+
+
+def test_hindsight_is_asked_every_few_steps_without_lookup_branches():
+    auto = auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, has_drafter=False)
+    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(8)]
+    assert [a is not None for a in asked] == [False, False, False, True] * 2
+    assert asked[3] is not None and asked[3].lookup_branches == 4
+    assert asked[3].lookup_branch_length == 10
+    lookup_tree = TreeConfig(0, 1, lookup_branches=1, lookup_length=7)
+    assert all(auto.hindsight(lookup_tree) is None for _ in range(8))
+
+
 def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
     auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.02 * (n - 1))))
     slow = auto.choose(1)
@@ -189,6 +217,28 @@ def test_the_default_session_without_a_drafter_speculates_with_lookup(
     prompt = (prompts[0] * 6)[:40]
     updates = list(session.run([Request(prompt, stop=StopConfig(40))]))
     assert [t for u in updates for t in u.tokens] == mlx_lm_greedy(model, prompt, 40)
+    assert any(u.tree.lookup_branches for u in updates)
+
+
+class OnTheCurve(AutoTree):
+    """An auto tree that takes every step to cost what its calibration predicts (so
+    that a synthetic curve holds whatever this machine's real step times are)."""
+
+    def record(self, tree, batch_size, seconds, runs, context):
+        predicted = float(self.calibrated(batch_size, context)[self._index[tree]])
+        super().record(tree, batch_size, predicted, runs, context)
+
+
+def test_a_session_turns_lookup_on_from_what_it_sees_in_hindsight(trained_llama):
+    model, _, prompts = trained_llama
+    # A curve on which the prior alone keeps plain decoding.
+    curve = synthetic(lambda n: 0.010 * (1 + 0.2 * (n - 1)))
+    auto = OnTheCurve(curve, candidate_trees(False), LOOKUP_PRIOR)
+    session = DecodingSession(model, None, tree=auto)
+    prompt = (prompts[0] * 6)[:40]
+    updates = list(session.run([Request(prompt, stop=StopConfig(60))]))
+    assert [t for u in updates for t in u.tokens] == mlx_lm_greedy(model, prompt, 60)
+    assert updates[0].tree == PLAIN_DECODING
     assert any(u.tree.lookup_branches for u in updates)
 
 

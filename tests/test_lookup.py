@@ -12,7 +12,7 @@ from tiny_models import FAMILY_CONFIGS, tiny_model
 
 from mlx_redrafter.config import CacheConfig, TreeConfig
 from mlx_redrafter.decode import decode_step, prefill, step_functions
-from mlx_redrafter.lookup import lookup_branches
+from mlx_redrafter.lookup import hindsight_runs, lookup_branches
 from mlx_redrafter.target import prepare_target
 
 
@@ -34,6 +34,36 @@ def test_worked_examples():
     assert lookup([[1, 2, 5, 6, 2, 7, 1, 2]], 2, 3, 3) == [[[2, 5, 6], [2, 7, 1]]]
     # No match (and a one-token context): the fallback beam.
     assert lookup([[1, 2, 3], [4]], 1, 3, 3) == [[[-7, -7, -7]], [[-7, -7, -7]]]
+
+
+def test_hindsight_runs_compare_past_branches_with_the_tokens_that_came():
+    # Branches of L = 3 drafted 2 tokens back, from [7, 3, 9, 4, 7, 3] (root 3): the
+    # first copies [9, 4] after the match [7, 3]; no other position matches, so the
+    # second is the root repeated, [3, 3].
+    rows = [[7, 3, 9, 4, 7, 3, 9, 4], [7, 3, 9, 4, 7, 3, 9, 5], [7, 3, 9, 4, 7, 3, 1, 4]]
+    history = mx.array([row + [0, 0] for row in rows])  # (B, T): stale entries past the end
+    lengths = mx.array([len(row) for row in rows])
+    runs = np.array(hindsight_runs(history, lengths, 2, 3, 2)).tolist()
+    # Row 0 came as copied (2 tokens), row 1 diverged at the second, row 2 at the first.
+    assert [r[0] for r in runs] == [2, 1, 0]
+    assert [r[1] for r in runs] == [0, 0, 0]
+
+
+def test_hindsight_runs_agree_with_the_branches_of_the_earlier_step():
+    rng = random.Random(3)
+    rows = [[rng.randrange(5) for _ in range(40)] for _ in range(6)]
+    history = mx.array(rows)
+    runs = np.array(hindsight_runs(history, mx.array([40] * 6), 3, 5, 3))
+    for row, got in zip(rows, runs.tolist()):
+        past = lookup([row[:36]], 3, 5, 3, fallback_token=row[35])[0]  # root at 35
+        came = row[36:40]
+        expect = []
+        for branch in past:
+            run = 0
+            while run < 4 and branch[1 + run] == came[run]:
+                run += 1
+            expect.append(run)
+        assert got == expect
 
 
 def reference(row, num_branches, beam_length, max_ngram):

@@ -82,3 +82,24 @@ def test_entries_past_num_kept_do_not_force_a_move(cache_after_tree):
     keys_before = cache.layers[0].keys
     cache.commit([[0, 3, 4]], [1])  # only the root is kept, and it is in place
     assert cache.layers[0].keys is keys_before
+
+
+def test_a_cache_dropped_is_freed_at_once_not_by_the_cycle_collector(trained_llama):
+    """Layers refer to their cache weakly: no reference cycle keeps K/V alive until
+    Python's cyclic collector happens to run (a server's memory grew by a gigabyte
+    of finished caches before)."""
+    import gc
+    import weakref
+
+    model, _, prompts = trained_llama
+    gc.disable()
+    try:
+        cache = TargetCache(model, batch_size=2)
+        target_hidden(model, cache, chain_tree(mx.array([prompts[0][:2], prompts[1][:2]])))
+        cache.commit([[0, 1], [0, 1]], [2, 2])
+        row = cache.copy_row(1)
+        alive = [weakref.ref(cache), weakref.ref(row)]
+        del cache, row
+        assert [ref() for ref in alive] == [None, None]
+    finally:
+        gc.enable()

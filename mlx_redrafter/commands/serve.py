@@ -131,6 +131,34 @@ def chunk_for_latency(model: Any, drafter: Any, seconds: float) -> int | None:
     return prefill_chunk(calibration, seconds)
 
 
+def capacity_batcher(
+    args: argparse.Namespace,
+    model: Any,
+    drafter: Any,
+    tokenizer: Any,
+    policy: TreePolicy | str,
+    guard: SpeedGuard | None = None,
+) -> Any:
+    """The server's batcher with the limits of `add_capacity_arguments`, warmed up."""
+    from mlx_redrafter.apps.batcher import Batcher
+    from mlx_redrafter.prompt_cache import PrefixStore
+
+    batcher = Batcher(
+        model,
+        drafter,
+        tokenizer,
+        policy,
+        max_batch=args.max_batch,
+        seed=args.seed,
+        guard=guard,
+        max_queue=args.max_queue,
+        prefixes=PrefixStore(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None,
+        prefill_chunk=chunk_for_latency(model, drafter, args.prefill_latency),
+    )
+    batcher.warm_up()
+    return batcher
+
+
 def model_names(model: str | None) -> tuple[str, tuple[str, ...]]:
     """The id /v1/models shows, and other names requests may use for it."""
     if model is None:
@@ -170,26 +198,12 @@ def _serve(
 ) -> int:
     import uvicorn
 
-    from mlx_redrafter.apps.batcher import Batcher
     from mlx_redrafter.apps.server import Server, create_app
-    from mlx_redrafter.prompt_cache import PrefixStore
 
     model, drafter, tokenizer = load_from_args(args)
     guard = None if args.fixed_tree or auto else SpeedGuard()
-    chunk = chunk_for_latency(model, drafter, args.prefill_latency)
-    batcher = Batcher(
-        model,
-        drafter,
-        tokenizer,
-        policy,
-        max_batch=args.max_batch,
-        seed=args.seed,
-        guard=guard,
-        max_queue=args.max_queue,
-        prefixes=PrefixStore(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None,
-        prefill_chunk=chunk,
-    )
-    batcher.warm_up()
+    batcher = capacity_batcher(args, model, drafter, tokenizer, policy, guard)
+    chunk = batcher.session.prefill_chunk
     model_id, aliases = model_names(args.model)
     app = create_app(Server(batcher, model_id, aliases, default_max_tokens=args.max_tokens))
     speculates = batcher.session.speculates
