@@ -111,7 +111,6 @@ class Batcher:
         # on the worker thread, so evaluate them on this one.
         mx.eval(model.parameters(), drafter.parameters() if drafter is not None else [])
         self.model, self.drafter, self.tokenizer = model, drafter, tokenizer
-        return_freed_memory()
         self.policy = self.session.policy
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -279,7 +278,8 @@ class Batcher:
 
 
 def return_freed_memory() -> None:
-    """On Linux with glibc, give freed large buffers back to the system at once.
+    """On Linux with glibc, give freed large buffers back to the system at once (for
+    this whole process: the server calls it at start).
 
     On MLX's CPU backend arrays live in malloc'd memory. glibc raises its mmap
     threshold each time a large mapped block is freed, after which blocks of that

@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import math
 import socket
 import statistics
 import subprocess
@@ -205,8 +206,16 @@ def stream_chat(host: str, port: int, body: dict[str, Any], timeout: float) -> S
 
 
 def load_round(
-    host: str, port: int, clients: int, requests: int, max_tokens: int, deadline: float
+    host: str,
+    port: int,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    deadline: float,
+    offset: int = 0,
 ) -> tuple[Run, float]:
+    """Each of `clients` sends `requests` streamed greedy requests in turn, with the
+    prompts from `offset` on in the prompt list (each once, while it lasts)."""
     texts = prompts()
     run = Run()
 
@@ -214,7 +223,7 @@ def load_round(
         for number in range(requests):
             if time.monotonic() > deadline:
                 return
-            text = texts[(index * requests + number) % len(texts)]
+            text = texts[(offset + index * requests + number) % len(texts)]
             body = {
                 "messages": [{"role": "user", "content": text}],
                 "max_tokens": max_tokens,
@@ -246,7 +255,7 @@ def load_round(
 def percentile(values: list[float], share: float) -> float:
     """The value below which `share` of the sorted `values` lie (nearest rank)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(share * len(ordered)) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
 
 def summarize(name: str, clients: int, run: Run, wall: float) -> dict[str, Any]:
@@ -291,9 +300,13 @@ def rounds(
     # One short request first: the first forward of a shape compiles kernels.
     warm = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
     stream_chat(host, port, warm, timeout=300)
-    rows = []
+    rows, offset = [], 0
     for clients in (int(c) for c in args.clients.split(",")):
-        run, wall = load_round(host, port, clients, args.requests, args.max_tokens, deadline)
+        # Prompts no earlier round sent: no prefix cache hits from one round to the next.
+        run, wall = load_round(
+            host, port, clients, args.requests, args.max_tokens, deadline, offset
+        )
+        offset += clients * args.requests
         if not run.samples:
             print(f"| {name} | {clients} | 0 | (time limit reached) | | | |", flush=True)
             continue
@@ -317,25 +330,35 @@ def server_process(command: list[str], ready_path: str) -> Iterator[None]:
     port = int(command[command.index("--port") + 1])
     try:
         ready = time.monotonic() + 300
-        while True:
+        while not _answers(port, ready_path):
             if server.poll() is not None:
                 raise RuntimeError(
                     f"the server exited with status {server.returncode}: "
                     f"run {' '.join(command)} to see why"
                 )
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                connection.request("GET", ready_path)
-                if connection.getresponse().status == 200:
-                    break
-            except OSError:
-                if time.monotonic() > ready:
-                    raise RuntimeError(f"{command[:4]} did not answer within 300 s") from None
-                time.sleep(1.0)
+            if time.monotonic() > ready:
+                raise RuntimeError(f"{' '.join(command[:4])} did not answer within 300 s")
+            time.sleep(1.0)
         yield
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _answers(port: int, path: str) -> bool:
+    """Whether GET `path` on 127.0.0.1:port answers 200 now."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()
 
 
 def server_commands(args: argparse.Namespace, port: int) -> list[tuple[str, list[str], str]]:
@@ -364,6 +387,8 @@ def server_commands(args: argparse.Namespace, port: int) -> list[tuple[str, list
 
 def http_load(args: argparse.Namespace) -> int:
     """Every server in turn, each in its own process, the clients in this one."""
+    if args.drafter == "untrained":
+        raise SystemExit("loadtest http: --drafter untrained is for `steps` only; give a folder")
     deadline = time.monotonic() + args.time_limit
     print(HEADER, flush=True)
     rows = []
@@ -456,12 +481,18 @@ def soak_server(args: argparse.Namespace) -> int:
     """The soak test against this project's server (in this process), configured as
     `serve` is (auto tree, prefix cache, prefill chunks)."""
     from mlx_redrafter.commands.serve import capacity_batcher
+    from mlx_redrafter.policy import SpeedGuard, TreePolicy
 
+    from .batcher import return_freed_memory
     from .server import BackgroundServer, Server, create_app
     from .soak import SoakConfig, long_prompts, run_soak
 
+    return_freed_memory()
     model, drafter, tokenizer = load_models(args)
-    batcher = capacity_batcher(args, model, drafter, tokenizer, args.tree)
+    auto = args.tree.strip().lower() == DEFAULT_TREE
+    policy = DEFAULT_TREE if auto else TreePolicy.parse(args.tree)
+    guard = None if auto else SpeedGuard()
+    batcher = capacity_batcher(args, model, drafter, tokenizer, policy, guard)
     short = prompts()
     texts = short + long_prompts(short, max(1, len(short) // 4), parts=6)
     config = SoakConfig(
@@ -500,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--drafter",
         default=None,
-        help="drafter folder, or 'untrained' for an untrained drafter of the shipped shape",
+        help="drafter folder, or 'untrained' (steps only) for an untrained drafter of the "
+        "shipped shape",
     )
     sub = parser.add_subparsers(dest="mode", required=True)
     steps = sub.add_parser("steps", help="step cost by batch size and tree")
@@ -510,9 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     steps.add_argument("--warmup", type=int, default=2)
     steps.set_defaults(run=step_costs)
     load = sub.add_parser("http", help="concurrent clients against the server")
-    load.add_argument("--clients", default="1,4,8")
+    load.add_argument("--clients", default="1,2,4,8")
     load.add_argument("--requests", type=int, default=2, help="requests per client")
-    load.add_argument("--max-tokens", type=int, default=48)
+    load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--tree", default=DEFAULT_TREE, help="tree or policy when speculation is on")
     load.add_argument("--time-limit", type=float, default=1800, help="seconds for everything")
     load.add_argument(

@@ -16,9 +16,11 @@ import http.client
 import json
 import random
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,13 +109,15 @@ class SoakReport:
 
 
 def resident_mb() -> float:
-    """This process's resident memory now (Linux /proc; else the peak so far), MB."""
+    """This process's resident memory now, MB (Linux /proc; elsewhere the peak so far,
+    which `ru_maxrss` gives in bytes on macOS and in KiB on other systems)."""
     try:
         with open("/proc/self/statm") as statm:
             pages = int(statm.read().split()[1])
         return pages * resource.getpagesize() / 2**20
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def _body(text: str, max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -125,31 +129,35 @@ def _body(text: str, max_tokens: int, stream: bool) -> dict[str, Any]:
     }
 
 
-def _post(port: int, body: bytes, content_type: str, timeout: float) -> http.client.HTTPResponse:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    headers = {"Content-Type": content_type}
-    connection.request("POST", "/v1/chat/completions", body, headers)
-    return connection.getresponse()
+def _post(port: int, body: bytes, content_type: str, timeout: float) -> tuple[int, bytes]:
+    """POST to the chat endpoint; the status and the whole body."""
+    with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)) as connection:
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": content_type})
+        response = connection.getresponse()
+        return response.status, response.read()
 
 
 def request_once(port: int, text: str, max_tokens: int, stream: bool, timeout: float) -> str:
-    """A greedy chat request read to the end: its reply text (RuntimeError on a
-    non-200 answer, with the status in the message)."""
-    response = _post(
-        port, json.dumps(_body(text, max_tokens, stream)).encode(), "application/json", timeout
-    )
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    """A greedy chat request read to the end: its reply text. RuntimeError on a
+    non-200 answer (with the status in the message) or a stream that ends without
+    a finish reason."""
+    body = json.dumps(_body(text, max_tokens, stream)).encode()
+    status, raw = _post(port, body, "application/json", timeout)
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {raw[:200]!r}")
     if not stream:
-        return str(json.load(response)["choices"][0]["message"]["content"])
-    parts = []
-    for raw in response:
-        line = raw.strip()
+        return str(json.loads(raw)["choices"][0]["message"]["content"])
+    parts, finished = [], False
+    for line in raw.splitlines():
         if line.startswith(b"data: {"):
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"HTTP 500 in stream: {chunk['error']}")
-            parts += [c["delta"].get("content") or "" for c in chunk.get("choices", [])]
+            for choice in chunk.get("choices", []):
+                parts.append(choice["delta"].get("content") or "")
+                finished = finished or choice.get("finish_reason") is not None
+    if not finished:
+        raise RuntimeError("a stream ended without a finish reason")
     return "".join(parts)
 
 
@@ -158,17 +166,20 @@ def _drop(port: int, text: str, max_tokens: int, stream: bool) -> int:
     for a non-streamed one. Returns the status seen (0: none)."""
     body = json.dumps(_body(text, max_tokens, stream)).encode()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     status = 0
-    if stream:
-        response = connection.getresponse()
-        status = response.status
-        response.readline()
-    else:
-        time.sleep(0.2)
-    if connection.sock is not None:
-        connection.sock.close()
-    connection.close()
+    try:
+        headers = {"Content-Type": "application/json"}
+        connection.request("POST", "/v1/chat/completions", body, headers)
+        if stream:
+            response = connection.getresponse()
+            status = response.status
+            response.readline()
+        else:
+            time.sleep(0.2)
+    finally:
+        if connection.sock is not None:
+            connection.sock.close()
+        connection.close()
     return status
 
 
@@ -178,19 +189,20 @@ def _one(
     if kind in ("stream", "whole"):
         reply = request_once(port, text, max_tokens, kind == "stream", timeout=600)
         with report.lock:
-            report.replies.setdefault((text, max_tokens), reply)
+            earlier = report.replies.setdefault((text, max_tokens), reply)
+            if earlier != reply:  # two loaded replies to one greedy request
+                report.mismatches.append(f"{text[:40]!r} ({max_tokens} tokens), under load")
     elif kind in ("drop_stream", "drop_whole"):
         status = _drop(port, text, max_tokens, kind == "drop_stream")
         if status >= 500:
             raise RuntimeError(f"HTTP {status}")
     else:
         body, content_type = rng.choice(BAD_REQUESTS)
-        response = _post(port, body, content_type, timeout=60)
-        response.read()
-        if response.status >= 500:
-            raise RuntimeError(f"HTTP {response.status}")
-        if response.status < 400:
-            raise ValueError(f"a bad request got {response.status}: {body[:60]!r}")
+        status, _ = _post(port, body, content_type, timeout=60)
+        if status >= 500:
+            raise RuntimeError(f"HTTP {status}")
+        if status < 400:
+            raise ValueError(f"a bad request got {status}: {body[:60]!r}")
 
 
 def soak(
@@ -227,12 +239,9 @@ def soak(
             max_tokens = rng.randint(*config.max_tokens)
             try:
                 _one(port, kind, text, max_tokens, rng, report)
-            except RuntimeError as error:
+            except Exception as error:  # every failure counts, whatever its kind
                 with report.lock:
                     report.server_errors += "HTTP 5" in str(error)
-                    report.failures.append(f"{kind}: {error}")
-            except (OSError, ValueError, KeyError) as error:
-                with report.lock:
                     report.failures.append(f"{kind}: {type(error).__name__}: {error}")
             with report.lock:
                 report.counts[kind] += 1
@@ -267,9 +276,9 @@ def wait_until_idle(port: int, seconds: float = 10.0) -> int:
     """Rows still active or pending after `seconds` (0: every row freed)."""
     deadline = time.monotonic() + seconds
     while True:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        connection.request("GET", "/v1/redrafter/status")
-        status = json.load(connection.getresponse())
+        with closing(http.client.HTTPConnection("127.0.0.1", port, timeout=10)) as connection:
+            connection.request("GET", "/v1/redrafter/status")
+            status = json.load(connection.getresponse())
         busy = int(status["active"]) + int(status["pending"])
         if busy == 0 or time.monotonic() > deadline:
             return busy

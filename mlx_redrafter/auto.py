@@ -202,11 +202,16 @@ class AcceptanceEstimate:
 
         The prior's rates are first scaled by how the observed steps compare with
         what the prior predicted for them, so that text where nothing is accepted
-        lowers the cells not yet observed too (wider trees, deeper tokens)."""
+        lowers the cells not yet observed too (wider trees, deeper tokens). Each kind
+        is scaled by its own observations: trees with drafter beams (k >= 1) by
+        theirs, lookup branches alone (k = 0) by theirs, so that lookup branches
+        checked in hindsight neither hold back nor raise the drafter's estimate."""
         weight = self.strength
-        predicted = float(np.sum(self.reached * self.prior_rate))
-        scale = (float(np.sum(self.passed)) + weight) / (predicted + weight)
-        prior = np.clip(self.prior_rate * scale, 0.0, 1.0)
+        scale = np.ones(self.prior_rate.shape[0])  # (Kw + 1,)
+        for rows in (slice(0, 1), slice(1, None)):
+            predicted = float(np.sum(self.reached[rows] * self.prior_rate[rows]))
+            scale[rows] = (float(np.sum(self.passed[rows])) + weight) / (predicted + weight)
+        prior = np.clip(self.prior_rate * scale[:, None, None], 0.0, 1.0)
         rate = (self.passed + weight * prior) / (self.reached + weight)
         cube = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)
         cube[0, 0] = 0.0
@@ -349,11 +354,11 @@ class AutoTree:
         self._unchecked = 0
         return self._hindsight
 
-    def record_hindsight(self, runs: np.ndarray, branches: TreeConfig) -> None:
-        """Learn lookup acceptance from the runs (B, G) that `branches` would have had
-        accepted (a row of -1: not checked)."""
+    def record_hindsight(self, runs: np.ndarray, lookup_tree: TreeConfig) -> None:
+        """Learn lookup acceptance from the runs (B, G) that the branches of
+        `lookup_tree` would have had accepted (a row of -1: not checked)."""
         none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no drafter beams
-        self.acceptance.observe(none, runs, 1, branches.lookup_branch_length)
+        self.acceptance.observe(none, runs, 1, lookup_tree.lookup_branch_length)
 
     def record(
         self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int

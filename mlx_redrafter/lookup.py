@@ -25,6 +25,8 @@ repeated), which prefix sharing packs away.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 
@@ -84,23 +86,30 @@ def hindsight_runs(
     history: mx.array,
     lengths: mx.array,
     num_branches: int,
-    beam_length: int,
+    branch_length: int,
     max_ngram: int,
+    fallback: Callable[[mx.array, mx.array, mx.array], mx.array] | None = None,
 ) -> mx.array:
     """How many tokens lookup branches would have had accepted, had they been drafted
-    L - 1 tokens ago: the branches from each row's text as it was then, compared with
-    the tokens that came since. Greedy decoding makes this exact; under sampling it is
-    the same chance of a match (a copied token is accepted with its probability).
+    Ll - 1 tokens ago: the branches from each row's text as it was then, compared with
+    the tokens that came since. Greedy decoding makes this exact for the branches
+    as drafted here; under sampling it is the same chance of a match (a copied
+    token is accepted with its probability).
 
     history: (B, T) each row's tokens, the newest at lengths[b] - 1.
-    lengths: (B,) tokens in each row's history (>= L).
+    lengths: (B,) tokens in each row's history (>= Ll).
+    fallback: (history, lengths then, root repeated (B, Ll)) -> the branch (B, Ll) of
+        a row without a match (the n-gram table's continuation); None: the root
+        repeated, as a session without a drafter drafts it.
     Returns runs (B, G): accepted tokens per branch, best branch first.
     """
-    past = lengths - (beam_length - 1)  # (B,) the history as it was, its root at past - 1
+    past = lengths - (branch_length - 1)  # (B,) the history as it was, its root at past - 1
     roots = mx.take_along_axis(history, past[:, None] - 1, axis=1)  # (B, 1)
-    fallback = mx.broadcast_to(roots, (history.shape[0], beam_length))  # (B, L)
-    branches = lookup_branches(history, past, num_branches, beam_length, max_ngram, fallback)
-    since = past[:, None] + mx.arange(beam_length - 1, dtype=mx.int32)[None, :]  # (B, L-1)
-    actual = mx.take_along_axis(history, since, axis=1)  # (B, L-1) the tokens that came
-    matched = (branches[:, :, 1:] == actual[:, None, :]).astype(mx.int32)  # (B, G, L-1)
+    repeated = mx.broadcast_to(roots, (history.shape[0], branch_length))  # (B, Ll)
+    missing = repeated if fallback is None else fallback(history, past, repeated)  # (B, Ll)
+    branches = lookup_branches(history, past, num_branches, branch_length, max_ngram, missing)
+    steps = mx.arange(branch_length - 1, dtype=mx.int32)  # (Ll-1,)
+    since = past[:, None] + steps[None, :]  # (B, Ll-1)
+    actual = mx.take_along_axis(history, since, axis=1)  # (B, Ll-1) the tokens that came
+    matched = (branches[:, :, 1:] == actual[:, None, :]).astype(mx.int32)  # (B, G, Ll-1)
     return mx.sum(mx.cumprod(matched, axis=-1), axis=-1)  # (B, G)

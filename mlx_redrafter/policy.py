@@ -126,8 +126,8 @@ class TreeChoice(Protocol):
     """What a session asks before each step and tells after it (`FixedTrees`,
     `auto.AutoTree`). A choice may also learn lookup acceptance in hindsight, as the
     auto tree does: `hindsight(tree) -> TreeConfig | None` names lookup branches to
-    check after a step of `tree`, and `record_hindsight(runs, branches)` gets the
-    runs (B, G) they would have had accepted (`lookup.hindsight_runs`)."""
+    check after a step of `tree`, and `record_hindsight(runs, lookup_tree)` gets
+    the runs (B, G) they would have had accepted (`lookup.hindsight_runs`)."""
 
     @property
     def trees(self) -> list[TreeConfig]:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, cast
 
 import mlx.core as mx
@@ -55,6 +56,7 @@ from .kernels import Kernels
 from .logprobs import MAX_TOP, TokenLogprob
 from .lookup import hindsight_runs
 from .metrics import RequestMetrics
+from .ngrams import table_branches
 from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
 from .prompt_cache import PromptCache
 from .streams import THREAD as _THREAD
@@ -566,8 +568,9 @@ class DecodingSession:
         seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
         self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
-        if hindsight is not None:
-            self.policy.record_hindsight(np.array(hindsight[0]), hindsight[1])  # type: ignore[attr-defined]
+        record = getattr(self.policy, "record_hindsight", None)
+        if hindsight is not None and record is not None:
+            record(np.array(hindsight[0]), hindsight[1])
         self._count(used, batch_size)
         keep = []
         for position, request_id in enumerate(list(state.row_ids)):
@@ -599,25 +602,27 @@ class DecodingSession:
         self, state: DecodeState, tree: TreeConfig
     ) -> tuple[mx.array, TreeConfig] | None:
         """The runs (B, G) of the lookup branches the policy asks to check in hindsight
-        on this step (launched now, read after the step's sync), with those branches;
-        rows whose branches would start in their prompt get -1 (not checked)."""
-        ask = getattr(self.policy, "hindsight", None)  # optional (`policy.TreeChoice`)
-        branches = ask(tree) if ask is not None else None
-        if branches is None:
+        on this step (launched now, read after the step's sync), with the lookup tree
+        they come from; rows whose branches would start in their prompt get -1 (not
+        checked). Optional: a `TreeChoice` without `hindsight` gets none."""
+        ask = getattr(self.policy, "hindsight", None)
+        lookup_tree = ask(tree) if ask is not None else None
+        if lookup_tree is None:
             return None
-        length = branches.lookup_branch_length
+        length = lookup_tree.lookup_branch_length
         known = np.array(state.cache.host_lengths) + 1  # (B,) the root included
         prompts = np.array([len(self._rows[i].request.prompt) for i in state.row_ids])
         checked = known - (length - 1) >= prompts  # (B,) every token compared is output
         if not checked.any() or state.history.shape[1] < length:
             return None
+        table = self.drafter.ngrams if self.drafter is not None else None
+        fallback = partial(table_branches, table) if table and lookup_tree.lookup_table else None
         lengths = mx.array(np.maximum(known, length), dtype=mx.int32)  # (B,)
-        runs = hindsight_runs(
-            state.history, lengths, branches.lookup_branches, length, branches.lookup_ngram
-        )  # (B, G)
-        runs = mx.where(mx.array(checked)[:, None], runs, -1)
+        count, ngram = lookup_tree.lookup_branches, lookup_tree.lookup_ngram
+        runs = hindsight_runs(state.history, lengths, count, length, ngram, fallback)  # (B, G)
+        runs = mx.where(mx.array(checked)[:, None], runs, -1)  # (B, G)
         mx.async_eval(runs)
-        return runs, branches
+        return runs, lookup_tree
 
     def _look_ahead(self, state: DecodeState, tree: TreeConfig) -> bool:
         """Whether a plain step of `tree` should launch the next step before its sync:

@@ -132,17 +132,25 @@ def test_a_step_is_observed_only_as_deep_as_its_candidates_reach():
     assert estimate.passed[1, 1].tolist() == [1, 0, 0]
 
 
-def test_speculation_switches_off_where_nothing_is_accepted_and_is_retried():
-    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
-    first = auto.choose(1)
-    assert first != PLAIN_DECODING
+def steps_where_nothing_is_accepted(auto: AutoTree, in_hindsight: bool) -> list[TreeConfig]:
+    """600 steps on which no candidate is accepted (and, checked in hindsight, no
+    lookup branch would have been): the trees chosen."""
     chosen = []
     for _ in range(600):
         tree = auto.choose(1)
         chosen.append(tree)
         runs = np.zeros((1, tree.num_branches), dtype=int)
         auto.record(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0)
-    late = chosen[200:]
+        lookup_tree = auto.hindsight(tree)
+        if lookup_tree is not None and in_hindsight:
+            auto.record_hindsight(np.zeros((1, lookup_tree.lookup_branches), int), lookup_tree)
+    return chosen
+
+
+def test_speculation_switches_off_where_nothing_is_accepted_and_is_retried():
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    assert auto.choose(1) != PLAIN_DECODING
+    late = steps_where_nothing_is_accepted(auto, in_hindsight=False)[200:]
     plain = sum(tree == PLAIN_DECODING for tree in late) / len(late)
     assert plain > 0.9  # off where it does not pay ...
     assert plain < 1.0  # ... but tried again now and then
@@ -164,6 +172,14 @@ def test_lookup_acceptance_is_learned_in_hindsight_while_decoding_plainly():
                 auto.record_hindsight(np.full((1, branches.lookup_branches), 9), branches)
     assert checked.choose(1).lookup_branches >= 1
     assert unchecked.choose(1) == PLAIN_DECODING  # what the hindsight check is for
+
+
+def test_drafter_trees_are_still_retried_while_hindsight_sees_no_copying():
+    # Lookup branches checked in hindsight must not keep the drafter's estimate down.
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    late = steps_where_nothing_is_accepted(auto, in_hindsight=True)[200:]
+    assert sum(tree == PLAIN_DECODING for tree in late) / len(late) > 0.9
+    assert any(tree.beam_width >= 1 and tree.beam_length > 1 for tree in late)
 
 
 def test_hindsight_is_asked_every_few_steps_without_lookup_branches():

@@ -15,6 +15,9 @@ def test_percentiles_by_nearest_rank():
     assert percentile(values, 0.5) == 10.0
     assert percentile(values, 0.95) == 19.0
     assert percentile([3.0], 0.95) == 3.0
+    five, twelve = [1.0, 2.0, 3.0, 4.0, 5.0], [float(v) for v in range(1, 13)]
+    assert percentile(five, 0.5) == 3.0  # the 3rd of 5
+    assert percentile(twelve, 0.95) == 12.0  # ceil(11.4) = 12th of 12
 
 
 def test_a_round_is_summarized_over_all_clients():

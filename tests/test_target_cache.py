@@ -86,8 +86,7 @@ def test_entries_past_num_kept_do_not_force_a_move(cache_after_tree):
 
 def test_a_cache_dropped_is_freed_at_once_not_by_the_cycle_collector(trained_llama):
     """Layers refer to their cache weakly: no reference cycle keeps K/V alive until
-    Python's cyclic collector happens to run (a server's memory grew by a gigabyte
-    of finished caches before)."""
+    Python's cyclic collector happens to run."""
     import gc
     import weakref
 

@@ -160,6 +160,9 @@ def _reproduce(
     source = "" if prompts.label == "built-in prompts" else f" --prompts {prompts.label}"
     records = int(report.get("data", {}).get("records", recipe.records))
     copy = ""
+    budget = ""
+    if recipe.budget_seconds:
+        budget = " (a --time-budget run is written out here as the recipe its measurement chose)"
     if records > recipe.records:
         # Replies distilled by earlier runs into this folder were used too.
         copy = "mkdir -p NEW_FOLDER/work && cp -r DISTILLED NEW_FOLDER/work/distilled\n"
@@ -171,8 +174,7 @@ def _reproduce(
         f"--prompts {run.output}/eval_prompts.jsonl --max-tokens {recipe.eval_max_tokens} "
         "--tree auto --also-no-drafter --no-unpacked --profile-prompts 0\n```\n\n"
         "The make-drafter command makes the same drafter bit for bit on a machine of the "
-        "same kind (a --time-budget run is written out here as the recipe its measurement "
-        "chose). The bench command measures the speed figures again "
+        f"same kind{budget}. The bench command measures the speed figures again "
         "(timings vary with the machine and its load).\n"
     )
     if copy:
