@@ -18,6 +18,7 @@ import itertools
 import secrets
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class Batcher:
         self.max_queue = max_queue
         self.prefixes = prefixes
         self._prompt_caches: dict[int, PromptCache] = {}
+        self._memory = FreedMemory()
         self.context_limit = self.session.limit
         self.stats = BatcherStats()
         self._key = mx.random.key(seed if seed is not None else secrets.randbits(32))
@@ -225,6 +227,7 @@ class Batcher:
                 self.prefixes.add(finished)
             self.stats.finished += 1
             self.stats.cancelled += update.finish_reason == "cancelled"
+            self._memory.release()  # its K/V is free now
         self._deliver(job, update)
 
     def _drop_if_cancelled(self, job: Job) -> bool:
@@ -277,21 +280,30 @@ class Batcher:
             job.cancel()
 
 
-def return_freed_memory() -> None:
-    """On Linux with glibc, give freed large buffers back to the system at once (for
-    this whole process: the server calls it at start).
+class FreedMemory:
+    """On Linux with glibc, hands freed heap memory back to the system, at most once
+    every `every` seconds (a no-op elsewhere, and on Apple GPUs, whose buffers MLX
+    allocates itself).
 
     On MLX's CPU backend arrays live in malloc'd memory. glibc raises its mmap
     threshold each time a large mapped block is freed, after which blocks of that
     size come from the heap, which a server's ever-changing cache sizes fragment:
-    resident memory then grows far past what is allocated. A fixed threshold of
-    1 MB turns that off (a no-op elsewhere, and on Apple GPUs, whose buffers MLX
-    allocates itself)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl): nothing to tune
-        return
-    m_mmap_threshold = -3  # glibc's <malloc.h>
-    libc.mallopt(m_mmap_threshold, 1 << 20)
+    resident memory then grows far past what is allocated. `malloc_trim` returns the
+    free parts of the heap; fixing the threshold instead would cost every large
+    allocation a fresh mapping (about 12 % of throughput at 8 clients here)."""
+
+    def __init__(self, every: float = 1.0):
+        self.every = every
+        self._last = 0.0
+        self._trim: Callable[[int], int] | None = None
+        if sys.platform.startswith("linux"):
+            try:
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl): nothing to trim
+                self._trim = None
+
+    def release(self) -> None:
+        now = time.monotonic()
+        if self._trim is not None and now - self._last >= self.every:
+            self._trim(0)
+            self._last = now

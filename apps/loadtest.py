@@ -483,11 +483,9 @@ def soak_server(args: argparse.Namespace) -> int:
     from mlx_redrafter.commands.serve import capacity_batcher
     from mlx_redrafter.policy import SpeedGuard, TreePolicy
 
-    from .batcher import return_freed_memory
     from .server import BackgroundServer, Server, create_app
     from .soak import SoakConfig, long_prompts, run_soak
 
-    return_freed_memory()
     model, drafter, tokenizer = load_models(args)
     auto = args.tree.strip().lower() == DEFAULT_TREE
     policy = DEFAULT_TREE if auto else TreePolicy.parse(args.tree)

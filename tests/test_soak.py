@@ -46,3 +46,14 @@ def test_a_short_soak_leaves_no_errors_no_stuck_rows_and_equal_replies(trained_l
     assert report.flat and report.passed, summary
     assert batcher.stats.cancelled > 0  # the dropped requests were cancelled
     print(summary)
+
+
+def test_freed_memory_is_handed_back_at_most_once_per_period():
+    from mlx_redrafter.apps.batcher import FreedMemory
+
+    calls: list[int] = []
+    memory = FreedMemory(every=3600.0)
+    memory._trim = calls.append  # stands in for glibc's malloc_trim
+    memory.release()
+    memory.release()
+    assert calls == [0]

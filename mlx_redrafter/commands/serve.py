@@ -198,10 +198,8 @@ def _serve(
 ) -> int:
     import uvicorn
 
-    from mlx_redrafter.apps.batcher import return_freed_memory
     from mlx_redrafter.apps.server import Server, create_app
 
-    return_freed_memory()
     model, drafter, tokenizer = load_from_args(args)
     guard = None if args.fixed_tree or auto else SpeedGuard()
     batcher = capacity_batcher(args, model, drafter, tokenizer, policy, guard)
