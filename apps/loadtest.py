@@ -322,12 +322,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(command: list[str], ready_path: str) -> Iterator[None]:
-    """Run a server command (listening on 127.0.0.1) until the block ends; wait up to
-    300 s for `ready_path` to answer 200 first."""
+def server_process(command: list[str], port: int, ready_path: str) -> Iterator[None]:
+    """Run a server command (listening on 127.0.0.1:port) until the block ends; wait
+    up to 300 s for `ready_path` to answer 200 first."""
     # Quiet: servers log every request; run the command by hand to see why it fails.
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    port = int(command[command.index("--port") + 1])
     try:
         ready = time.monotonic() + 300
         while not _answers(port, ready_path):
@@ -392,9 +391,9 @@ def http_load(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.time_limit
     print(HEADER, flush=True)
     rows = []
-    for name, command, ready in server_commands(args, free_port()):
-        port = int(command[command.index("--port") + 1])
-        with server_process(command, ready):
+    port = free_port()
+    for name, command, ready in server_commands(args, port):
+        with server_process(command, port, ready):
             rows += rounds(name, "127.0.0.1", port, args, deadline)
     if args.out:
         write_load_results(Path(args.out), rows, args)
