@@ -76,8 +76,9 @@ class Batcher:
     (more requests wait their turn, at most max_queue of them: None is unbounded);
     guard: a `SpeedGuard` that decodes plainly where a fixed policy's tree measurably
     does not pay (None: always the policy's tree);
-    prefill_chunk: while rows decode, a new prompt is prefilled this many tokens
-    between two steps (None: whole, so a long prompt stalls the running rows).
+    prefill_chunk: a new prompt is prefilled this many tokens before each step,
+    the shortest waiting prompt first (None: whole, so a long prompt stalls the
+    running rows and every request that arrives meanwhile).
     prefixes: the prefix cache (None: every prompt is prefilled whole): a request
     reuses the K/V of the longest prefix it shares with a finished one.
     seed: the sampling stream of the worker (None: random). A request's `seed` gives

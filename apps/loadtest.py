@@ -23,10 +23,12 @@
         and every completed reply equal to the same request served alone (`soak.py`).
 
     python -m mlx_redrafter.apps.loadtest stall [--prompt-tokens 1024,4096] [--prefill-latency 0.5]
-        One request decodes; a long prompt joins. For whole prefills and for chunks
-        sized to --prefill-latency from the calibrated cost (as `serve` does), prints the
+        One request decodes; a long prompt joins, and a short chat request arrives once
+        --arrival of it is prefilled. For whole prefills and for chunks sized to
+        --prefill-latency from the calibrated cost (as `serve` does), prints the
         running request's longest pause between two updates (the time `add` takes,
-        then each step) and the long prompt's time to its first token.
+        then each step), the short request's and the long prompt's times to their
+        first tokens.
 
 All load the embedded default model unless --model is given. Everything stays on
 127.0.0.1; request counts and a wall-clock limit bound the run.
@@ -77,6 +79,12 @@ def prompts() -> list[str]:
     return FALLBACK_PROMPTS
 
 
+def untrained_drafter(model: Any) -> Drafter:
+    """A drafter of the shipped shape (a draft vocabulary of at most 2048 tokens)."""
+    hidden, vocab = (int(n) for n in model.model.embed_tokens.weight.shape[::-1])
+    return Drafter.create(model, exit_dim=hidden, draft_vocab_size=min(2048, vocab))
+
+
 def load_models(args: argparse.Namespace) -> tuple[Any, Drafter | None, Any]:
     import warnings
 
@@ -86,8 +94,7 @@ def load_models(args: argparse.Namespace) -> tuple[Any, Drafter | None, Any]:
         warnings.simplefilter("ignore")
         model, drafter, tokenizer = load(args.model)
     if args.drafter == "untrained":  # the shipped shape, untrained: tau ~1, the worst case
-        hidden = int(model.model.embed_tokens.weight.shape[1])
-        drafter = Drafter.create(model, exit_dim=hidden, draft_vocab_size=2048)
+        drafter = untrained_drafter(model)
     elif args.drafter:
         drafter = load_drafter(args.drafter)
         drafter.check_fits(model)
@@ -97,16 +104,36 @@ def load_models(args: argparse.Namespace) -> tuple[Any, Drafter | None, Any]:
 # -- step cost by batch size ----------------------------------------------------------
 
 
+class MlxLmBatch:
+    """mlx-lm's own batched plain decoding (`BatchGenerator`) of the same prompts, a
+    step at a time, for comparison: its first step prefills them (a warm-up step)."""
+
+    name = "mlx-lm BatchGenerator"
+
+    def __init__(self, model: Any, prompts: list[list[int]]):
+        from mlx_lm.generate import BatchGenerator
+
+        self.generator = BatchGenerator(model, stop_tokens=[])  # rows never stop
+        self.generator.insert(prompts, max_tokens=[1 << 30] * len(prompts))
+
+    def step(self) -> None:
+        self.generator.next()
+        # It launches its next step before returning: wait for it, so that its
+        # work is not timed in the step of the session measured after it.
+        mx.synchronize()
+
+
 def step_costs(args: argparse.Namespace) -> int:
     from mlx_redrafter.prompts import chat_tokens
 
     model, drafter, tokenizer = load_models(args)
     if drafter is None:  # the cost does not depend on the weights: the shipped shape
-        hidden = int(model.model.embed_tokens.weight.shape[1])
-        drafter = Drafter.create(model, exit_dim=hidden, draft_vocab_size=2048)
+        drafter = untrained_drafter(model)
     texts = prompts()
     batches = [int(b) for b in args.batch.split(",")]
     trees = [TreeConfig.parse(b) for b in args.tree.split(",")]
+    if PLAIN_DECODING not in trees:  # the break-even tau is against plain steps
+        trees.insert(0, PLAIN_DECODING)
     rows: list[dict[str, Any]] = []
     endless = StopConfig(max_tokens=1 << 30)
     for batch_size in batches:
@@ -123,17 +150,18 @@ def step_costs(args: argparse.Namespace) -> int:
         ]
         for session in sessions:
             session.add([Request(prompt, stop=endless) for prompt in encoded])
-        times: list[list[float]] = [[] for _ in trees]
+        stepped: list[Any] = [*sessions, MlxLmBatch(model, encoded)]
+        times: list[list[float]] = [[] for _ in stepped]
         # Interleaved rounds (plain, 2x3, 4x4, plain, ...): load from other jobs on the
         # machine hits every shape alike.
         for index in range(args.warmup + args.steps):
-            for position, session in enumerate(sessions):
+            for position, session in enumerate(stepped):
                 started = time.perf_counter()
                 session.step()
                 if index >= args.warmup:
                     times[position].append(time.perf_counter() - started)
-        for tree, seconds in zip(trees, times):
-            name = "plain" if tree == PLAIN_DECODING else tree.label
+        names = ["plain" if tree == PLAIN_DECODING else tree.label for tree in trees]
+        for name, seconds in zip([*names, MlxLmBatch.name], times):
             rows.append(
                 {
                     "batch": batch_size,
@@ -143,7 +171,7 @@ def step_costs(args: argparse.Namespace) -> int:
                 }
             )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        del sessions
+        del sessions, stepped
         mx.clear_cache()
     print("| batch | tree | step median (min), ms | break-even tau (median, min) |")
     print("| --- | --- | --- | --- |")
@@ -421,19 +449,33 @@ def write_load_results(folder: Path, rows: list[dict[str, Any]], args: argparse.
 
 @dataclass
 class Stall:
-    """What a running request saw while a long prompt joined."""
+    """What a running request and a short one saw while a long prompt joined."""
 
     chunk: int | None
     longest_pause: float  # seconds between two of the running request's updates
+    short_first_token: float  # a short request arriving mid-prefill: seconds to its first
     first_token: float  # the long prompt's seconds to its first update
 
 
+SHORT_QUESTION = "What is the capital of France?"
+
+
 def measure_stall(
-    model: Any, drafter: Drafter | None, tokenizer: Any, length: int, chunk: int | None
+    model: Any,
+    drafter: Drafter | None,
+    tokenizer: Any,
+    length: int,
+    chunk: int | None,
+    arrival: float = 0.5,
 ) -> Stall:
     """A request decodes (in the decoding session the server's worker drives); a
-    `length`-token prompt joins: how long the running request waits between two
-    updates until the long one has its first token."""
+    `length`-token prompt joins, and a short chat request arrives once `arrival` of
+    the long prompt is prefilled (whole prefills block the worker: it arrives at that
+    share of the prefill's time and waits for its end). Measures the running request's
+    longest wait between two updates until the long prompt's first token, and the
+    short and long requests' times to their first tokens."""
+    from mlx_redrafter.prompts import chat_tokens
+
     session = DecodingSession(model, drafter, tokenizer, prefill_chunk=chunk)
     prompt = tokenizer.encode("Tell me a long story about a lighthouse.")
     session.add([Request(prompt, stop=StopConfig(100_000))], ids=[0])  # no EOS: runs on
@@ -441,18 +483,30 @@ def measure_stall(
         session.step()
     vocab = int(model.model.embed_tokens.weight.shape[0])
     long_prompt = [int(t) for t in mx.random.randint(0, vocab, (length,), key=mx.random.key(5))]
+    short = Request(chat_tokens(tokenizer, [{"role": "user", "content": SHORT_QUESTION}]))
     submitted = last = time.perf_counter()
     session.add([Request(long_prompt, stop=StopConfig(1))], ids=[1])
-    pauses = []
-    while True:
+    arrived, steps, pauses = None, 0, []
+    firsts: dict[int, float] = {}  # request -> time of its first update
+    if chunk is None:  # the worker was busy with the whole prefill when it arrived
+        arrived = submitted + arrival * (time.perf_counter() - submitted)
+        session.add([short], ids=[2])
+    chunks_before = math.ceil(arrival * (length - 1) / chunk) if chunk else 0
+    while len(firsts) < 2:
+        if arrived is None and steps == chunks_before:
+            arrived = time.perf_counter()
+            session.add([short], ids=[2])
         updates = session.step()
-        now = time.perf_counter()
-        pauses.append(now - last)
+        steps, now = steps + 1, time.perf_counter()
+        if 1 not in firsts:
+            pauses.append(now - last)
         last = now
-        if any(update.request == 1 for update in updates):
-            break
+        for update in updates:
+            if update.request in (1, 2):
+                firsts.setdefault(update.request, now)
     session.close()
-    return Stall(chunk, max(pauses), last - submitted)
+    assert arrived is not None
+    return Stall(chunk, max(pauses), firsts[2] - arrived, firsts[1] - submitted)
 
 
 def stall(args: argparse.Namespace) -> int:
@@ -462,15 +516,17 @@ def stall(args: argparse.Namespace) -> int:
     chunk = chunk_for_latency(model, drafter, args.prefill_latency)
     print(
         "| prompt tokens | prefill | running request's longest pause (s) "
+        f"| short request's first token (s), arriving at {args.arrival:.0%} "
         "| long prompt's first token (s) |"
     )
-    print("| --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- |")
     for length in (int(n) for n in args.prompt_tokens.split(",")):
         for size in (None, chunk):
-            result = measure_stall(model, drafter, tokenizer, length, size)
+            result = measure_stall(model, drafter, tokenizer, length, size, args.arrival)
             label = "whole" if size is None else f"chunks of {size}"
             print(
-                f"| {length} | {label} | {result.longest_pause:.2f} | {result.first_token:.2f} |",
+                f"| {length} | {label} | {result.longest_pause:.2f} "
+                f"| {result.short_first_token:.2f} | {result.first_token:.2f} |",
                 flush=True,
             )
     return 0
@@ -563,9 +619,21 @@ def main(argv: list[str] | None = None) -> int:
     pause = sub.add_parser("stall", help="how long a long prompt pauses a running request")
     pause.add_argument("--prompt-tokens", default="1024,4096")
     pause.add_argument("--prefill-latency", type=float, default=0.5)
+    pause.add_argument(
+        "--arrival",
+        type=float,
+        default=0.5,
+        help="share of the long prefill done when the short request arrives (0-1)",
+    )
     pause.set_defaults(run=stall)
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    if args.mode == "stall" and not 0 <= args.arrival <= 1:
+        parser.error(f"--arrival is a share of the long prefill, 0 to 1; got {args.arrival}")
+    try:
+        return int(args.run(args))
+    except ValueError as error:  # bad input (a tree, a model folder): say what, no traceback
+        print(f"loadtest: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -576,7 +576,7 @@ class PlainForward:
 
 def plain_forward(model: nn.Module, state: DecodeState) -> PlainForward:
     """The target's forward over each row's root and its choice after it (lazy); the
-    K/V of the roots land at the frontier, uncommitted."""
+    K/V of the roots land after each row's committed tokens, uncommitted."""
     hidden, logits = target_forward(model, state.cache, chain_tree(state.root_tokens[:, None]))
     keys = state.node_keys(state.cache.positions)  # (B, 1, 2)
     choices, unsure = choose_tokens_quickly(logits, state.sampling, keys)  # (B, 1), ()

@@ -293,8 +293,10 @@ class DecodingSession:
     a `SpeedGuard` for a fixed tree or policy, which decodes plainly where the tree
     measurably does not pay; clock: profile each step's phases; prefetch: draft (or,
     between plain steps, launch) the next step before the host handles this one's
-    tokens; prefill_chunk: while rows decode, a joining prompt is committed this
-    many tokens per step, between the steps (None: whole, when it is added).
+    tokens; prefill_chunk: prompts are committed this many tokens per step, one
+    waiting prompt's chunk before each step (the shortest first, the oldest at least
+    every other chunk), so that neither running rows nor a short prompt wait for a
+    long prompt's whole prefill (None: whole, when it is added).
     """
 
     def __init__(
@@ -337,6 +339,7 @@ class DecodingSession:
         self._functions: dict[TreeConfig, StepFunctions] = {}
         self._planned: tuple[int, TreeConfig] | None = None  # (batch size, next tree)
         self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
+        self._oldest_due = False  # the oldest prefill gets the next chunk
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -402,9 +405,10 @@ class DecodingSession:
         return _Row(request_id, request, progress, text, RequestMetrics(len(request.prompt)))
 
     def _prefill(self, rows: list[_Row]) -> None:
-        """Start the rows' prefill. With `prefill_chunk`, while other rows decode, each
-        step commits one chunk of it (`_advance_prefill`), so that a long prompt delays
-        the running rows by one chunk per step; otherwise it runs to the end now."""
+        """Start the rows' prefill. With `prefill_chunk`, each step commits one chunk
+        of a waiting prefill (`_advance_prefill`), so that a long prompt delays the
+        running rows and other prompts by one chunk per step; otherwise it runs to the
+        end now."""
         # Greedy rows never draw, so a row without a key gets a zero key.
         zero = mx.zeros((2,), dtype=mx.uint32)
         keys = [zero if row.request.key is None else row.request.key for row in rows]
@@ -426,18 +430,15 @@ class DecodingSession:
             row.metrics.cached_tokens = 0 if entry is None else entry[1]
             self._rows[row.id] = row
         self._prefilling.append((job, rows))
-        if self.prefill_chunk is None or not self._decoding:
+        if self.prefill_chunk is None:
             self._advance_prefill(whole=True)
 
-    @property
-    def _decoding(self) -> bool:
-        return self.state is not None and bool(self.state.row_ids)
-
     def _advance_prefill(self, whole: bool = False) -> None:
-        """Commit the next chunk of the oldest prefill (`whole`: every prefill to its
-        end); a prefill that is done joins the batch."""
+        """Commit the next chunk of one prefill (`_next_prefill`), or with `whole`
+        every prefill to its end; a prefill that is done joins the batch."""
         while self._prefilling:
-            job, rows = self._prefilling[0]
+            index = 0 if whole else self._next_prefill()
+            job, rows = self._prefilling[index]
             started = time.perf_counter()
             with mx.stream(generation_stream()):
                 if not job.done:
@@ -446,10 +447,22 @@ class DecodingSession:
                 for row in rows:
                     row.metrics.prompt_seconds += seconds
                 if job.done:
-                    self._prefilling.pop(0)
+                    self._prefilling.pop(index)
                     self._join(job.finish())
             if not whole:
                 return
+
+    def _next_prefill(self) -> int:
+        """Which waiting prefill gets the next chunk: the one with the fewest positions
+        left, so that a short prompt is not held behind a long one; but the oldest on
+        at least every other chunk, so that a long one is never starved."""
+        if self._oldest_due:
+            index = 0
+        else:
+            remaining = [job.remaining for job, _ in self._prefilling]
+            index = remaining.index(min(remaining))
+        self._oldest_due = index != 0
+        return index
 
     def _join(self, fresh: DecodeState) -> None:
         """Append freshly prefilled rows to the batch (those cancelled meanwhile leave)."""
@@ -546,7 +559,7 @@ class DecodingSession:
         updates, self._unstarted = self._unstarted, []
         updates += self._cancelled()
         if self._prefilling:
-            self._advance_prefill(whole=not self._decoding)
+            self._advance_prefill()
         state = self.state
         if state is None or not state.row_ids:
             return updates

@@ -8,8 +8,8 @@ mlx-lm attention layers do three things with their cache: build the mask with
 offset=cache.offset)`, and append with `cache.update_and_fetch(keys, values)`.
 `TargetCache` answers all three for a tree: the mask is the tree's ancestor
 mask over each row's committed context, `offset` is the (B, N) per-token
-positions (committed length + depth), and new keys/values go after the
-frontier. `TreeRope` lets a model's rotary module take those (B, N) positions.
+positions (committed length + depth), and new keys/values go right after each
+row's committed ones. `TreeRope` lets a model's rotary module take those (B, N) positions.
 After acceptance, `TargetCache.commit` moves the accepted path's entries next
 to each row's committed context; nothing is recomputed.
 """
@@ -209,8 +209,9 @@ class TreeLayerCache:
                 grown_keys = tree_map(_copy_prefix(start), grown_keys, self.keys)
                 grown_values = tree_map(_copy_prefix(start), grown_values, self.values)
             self.keys, self.values = grown_keys, grown_values
-        self.keys = tree_map(_write(start, stop), self.keys, keys)
-        self.values = tree_map(_write(start, stop), self.values, values)
+        write = self.shared.writer()
+        self.keys = tree_map(write, self.keys, keys)
+        self.values = tree_map(write, self.values, values)
         return tree_map(lambda x: x[..., :stop, :], (self.keys, self.values))
 
     def move(self, source: mx.array, destination: mx.array) -> None:
@@ -301,6 +302,8 @@ def _copy_prefix(length: int) -> Callable[[mx.array, mx.array], mx.array]:
 
 
 def _write(start: int, stop: int) -> Callable[[mx.array, mx.array], mx.array]:
+    """Write (B, H, N, ...) entries at slots [start, stop) of every row."""
+
     def write(buffer: mx.array, update: mx.array) -> mx.array:
         buffer[..., start:stop, :] = update
         return buffer
@@ -308,13 +311,25 @@ def _write(start: int, stop: int) -> Callable[[mx.array, mx.array], mx.array]:
     return write
 
 
+def _scatter(slots: mx.array) -> Callable[[mx.array, mx.array], mx.array]:
+    """Write (B, H, N, ...) entries at each row's own slots (B, N)."""
+
+    def write(buffer: mx.array, update: mx.array) -> mx.array:
+        index = mx.broadcast_to(slots[:, None, :, None], update.shape)  # (B, H, N, ...)
+        return mx.put_along_axis(buffer, index, update, axis=2)
+
+    return write
+
+
 class TargetCache:
     """The target's K/V cache for a batch of rows decoding a tree per step.
 
-    Row b's committed tokens occupy slots [0, lengths[b]); a forward writes its N
-    packed tokens at [frontier, frontier + N), where frontier = max committed
-    length (a host integer, known after each step's one host sync). The slots in
-    between are stale for shorter rows and hidden by the mask.
+    Row b's committed tokens occupy slots [0, lengths[b]); a forward writes row b's
+    N packed tokens right after them, at [lengths[b], lengths[b] + N), so that a
+    path accepted along the first beam (as plain decoding's always is) is already
+    in place. The buffers hold frontier + N slots, where frontier = max committed
+    length (a host integer, known after each step's one host sync); slots past a
+    row's packed tokens are stale and hidden by the mask.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, config: CacheConfig | None = None):
@@ -333,6 +348,7 @@ class TargetCache:
         self.positions = mx.zeros((batch_size, 1), dtype=mx.int32)
         self._tree: PackedTree | None = None
         self._masks: dict[int | str | None, mx.array | str | None] = {}
+        self._write = _write(0, 0)
 
     @property
     def frontier(self) -> int:
@@ -353,10 +369,20 @@ class TargetCache:
         self._masks = {}
         num_tokens = tree.tokens.shape[1]
         aligned = all(length == self.frontier for length in self.host_lengths)
+        if aligned:  # every row writes at the frontier: one slice for the batch
+            self._write = _write(self.frontier, self.frontier + num_tokens)
+        else:
+            steps = mx.arange(num_tokens, dtype=mx.int32)[None, :]  # (1, N)
+            self._write = _scatter(self.lengths[:, None] + steps)  # (B, N) slots
         if aligned and num_tokens == 1:
             self._masks[None] = None
         elif aligned and causal:
             self._masks[None] = "causal"
+
+    def writer(self) -> Callable[[mx.array, mx.array], mx.array]:
+        """How this forward writes a layer's new entries into its buffers."""
+        assert self._tree is not None, "TargetCache.begin must be called before a forward"
+        return self._write
 
     def mask(self, window_size: int | None = None, array: bool = False) -> mx.array | str | None:
         """The forward's attention mask (B, 1, N, T + N), or "causal" / None where
@@ -382,23 +408,21 @@ class TargetCache:
         """Keep the packed tokens on each row's path for its first num_kept[b] entries.
 
         path: (B, K) packed indices and num_kept: (B,), as host lists read back by the
-        step's one sync. Entry j of row b moves from slot frontier + path[b][j] to
-        lengths[b] + j. Entries already in place (a row at the frontier accepting along
-        the first beam, as plain decoding always does) are not copied; when any entry
-        must move, the whole (B, K) path is moved in one gather/scatter per layer,
-        evaluated with the next forward. Entries past num_kept land beyond the new
-        length, where they are stale.
+        step's one sync. Entry j of row b moves from slot lengths[b] + path[b][j] to
+        lengths[b] + j. Entries already in place (a path along the first beam, as
+        plain decoding's always is) are not copied; when any entry must move, the
+        whole (B, K) path is moved in one gather/scatter per layer, evaluated with the
+        next forward. Entries past num_kept land beyond the new length, where they
+        are stale.
         """
-        frontier = self.frontier
         misplaced = any(
-            frontier + index != length + j
-            for row, length, kept in zip(path, self.host_lengths, num_kept)
-            for j, index in enumerate(row[:kept])
+            index != j for row, kept in zip(path, num_kept) for j, index in enumerate(row[:kept])
         )
         if misplaced:
             # Entries past num_kept may name nodes that were cut or absent (>= N).
             last = self._tree.tokens.shape[1] - 1 if self._tree is not None else 0
-            source = frontier + mx.minimum(mx.array(path, dtype=mx.int32), last)  # (B, K)
+            packed = mx.minimum(mx.array(path, dtype=mx.int32), last)  # (B, K)
+            source = self.lengths[:, None] + packed  # (B, K)
             steps = mx.arange(source.shape[1], dtype=mx.int32)
             destination = self.lengths[:, None] + steps  # (B, K)
             for layer in self.layers:
@@ -456,7 +480,7 @@ def target_hidden(
     model: nn.Module, cache: TargetCache, tree: PackedTree, causal: bool = False
 ) -> mx.array:
     """Run the target's body on the packed tokens of `tree`: hidden (B, N, D) after its
-    final norm. The keys and values land after the frontier, uncommitted."""
+    final norm. The keys and values land after each row's committed ones, uncommitted."""
     cache.begin(tree, causal=causal)
     return model.model(tree.tokens, cache=cache.layers)
 

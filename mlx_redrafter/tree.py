@@ -151,29 +151,45 @@ def tree_positions(tree: PackedTree, lengths: mx.array) -> mx.array:
     return lengths[:, None] + tree.depths
 
 
+def packed_slots(lengths: mx.array, num_packed: int, frontier: int) -> mx.array:
+    """Where each cache slot stands relative to its row's packed tokens, which sit
+    right after the row's committed ones, at [lengths[b], lengths[b] + N): slot s
+    of row b holds packed token s - lengths[b] when that is in [0, N), a committed
+    token when it is negative, and a stale entry otherwise.
+    lengths: (B,) -> (B, frontier + N)"""
+    slots = mx.arange(frontier + num_packed, dtype=mx.int32)[None, :]  # (1, T + N)
+    return slots - lengths[:, None]  # (B, T + N)
+
+
 def attention_mask(tree: PackedTree, lengths: mx.array, frontier: int) -> mx.array:
     """Boolean mask for the packed tokens over the cache after they are written.
 
-    The cache holds each row's committed tokens in slots [0, lengths[b]); slots
-    [lengths[b], frontier) are stale and hidden; the packed tokens sit at
-    [frontier, frontier + N).
+    Row b's committed tokens occupy slots [0, lengths[b]) and its packed tokens
+    [lengths[b], lengths[b] + N); the slots after them are stale and hidden, and
+    frontier = max(lengths).
     lengths: (B,) -> (B, 1, N, frontier + N)
     """
     batch_size, num_packed = tree.tokens.shape
-    context = mx.arange(frontier, dtype=mx.int32)[None, :] < lengths[:, None]  # (B, T)
-    context = mx.broadcast_to(context[:, None, :], (batch_size, num_packed, frontier))
-    mask = mx.concatenate([context, tree.ancestors], axis=-1)  # (B, N, T + N)
+    relative = packed_slots(lengths, num_packed, frontier)  # (B, T + N)
+    packed = (relative >= 0) & (relative < num_packed)  # (B, T + N)
+    index = mx.clip(relative, 0, num_packed - 1)[:, None, :]  # (B, 1, T + N)
+    index = mx.broadcast_to(index, (batch_size, num_packed, index.shape[-1]))  # (B, N, T + N)
+    ancestors = mx.take_along_axis(tree.ancestors, index, axis=-1)  # (B, N, T + N)
+    mask = (relative < 0)[:, None, :] | (packed[:, None, :] & ancestors)  # (B, N, T + N)
     return mask[:, None]  # (B, 1, N, T + N)
 
 
 def key_positions(positions: mx.array, lengths: mx.array, frontier: int) -> mx.array:
     """Rotary position of every cache slot during a forward. -> (B, frontier + N)
 
-    Committed slot s holds position s; packed slot frontier + q holds positions[:, q].
+    Committed slot s holds position s; slot lengths[b] + q holds positions[b, q];
+    stale slots get a position that their mask hides anyway.
     """
-    batch_size = positions.shape[0]
-    context = mx.broadcast_to(mx.arange(frontier, dtype=mx.int32)[None], (batch_size, frontier))
-    return mx.concatenate([context, positions], axis=-1)
+    num_packed = positions.shape[1]
+    relative = packed_slots(lengths, num_packed, frontier)  # (B, T + N)
+    index = mx.clip(relative, 0, num_packed - 1)  # (B, T + N)
+    packed = mx.take_along_axis(positions, index, axis=1)  # (B, T + N)
+    return mx.where(relative < 0, relative + lengths[:, None], packed)
 
 
 def sliding_window_mask(

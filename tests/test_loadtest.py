@@ -47,3 +47,39 @@ def test_a_short_load_test_against_mlx_lm_server(trained_llama, tmp_path, capsys
     assert all(row["failed"] == 0 and row["requests"] == row["clients"] for row in rows)
     assert all(row["tokens_per_second"] > 0 for row in rows)
     assert "| mlx_lm.server | 2 | 2 |" in capsys.readouterr().out
+
+
+def test_step_costs_include_plain_and_mlx_lm_batched_decoding(trained_llama, tmp_path, capsys):
+    model, drafter, _ = trained_llama
+    model_dir, drafter_dir = save_tiny(model, drafter, tmp_path / "tiny")
+    argv = ["--model", str(model_dir), "--drafter", str(drafter_dir), "steps"]
+    assert main(argv + ["--batch", "1,2", "--tree", "2x2", "--steps", "2"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    names = [line.split(" | ")[1] for line in table[2:]]
+    assert names == ["plain", "2x2", "mlx-lm BatchGenerator"] * 2  # plain added for the ratio
+    cells = [line.split(" | ") for line in table[2:]]
+    assert all(float(cell[2].split()[0]) > 0 for cell in cells)  # median ms
+    assert [cell[3] for cell in cells if cell[1] == "plain"] == ["1.00, 1.00 |"] * 2
+
+
+def test_stall_times_a_short_request_arriving_during_a_long_prefill(
+    trained_llama, tmp_path, capsys
+):
+    model, drafter, _ = trained_llama
+    model_dir, drafter_dir = save_tiny(model, drafter, tmp_path / "tiny")
+    argv = ["--model", str(model_dir), "--drafter", str(drafter_dir), "stall"]
+    argv += ["--prompt-tokens", "200", "--arrival", "0.5", "--prefill-latency", "1e-6"]
+    assert main(argv) == 0  # the smallest chunk, 64 tokens: 4 chunks
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    rows = [row for row in rows if row[0] == "| 200"]
+    assert [row[1] for row in rows] == ["whole", "chunks of 64"]
+    assert all(float(value.strip(" |")) > 0 for row in rows for value in row[2:])
+
+
+def test_bad_input_gets_an_error_not_a_traceback(trained_llama, tmp_path, capsys):
+    model, drafter, _ = trained_llama
+    model_dir, _ = save_tiny(model, drafter, tmp_path / "tiny")
+    assert main(["--model", str(model_dir), "steps", "--tree", "0x0"]) == 2
+    assert "loadtest: error: a tree needs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", str(model_dir), "stall", "--arrival", "2"])

@@ -220,7 +220,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode(trained
     session = DecodingSession(model, drafter, tree="2x3", prefill_chunk=8)
     session.add([Request(prompts[0], stop=StopConfig(60))], ids=[0])
     outputs: dict[int, list[int]] = {0: []}
-    first = session.step()  # alone, row 0 was prefilled whole at once
+    first = session.step()  # its prompt fits one chunk: prefilled, then its first step
     outputs[0] += first[0].tokens
     joining = [Request(long_prompt, stop=StopConfig(10)), Request(prompts[1], stop=StopConfig(10))]
     session.add(joining, ids=[1, 2])  # prefilled together
@@ -245,6 +245,34 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_step_while_others_decode(trained
     assert outputs[0] == mlx_lm_greedy(model, prompts[0], 60)
     assert outputs[1] == mlx_lm_greedy(model, long_prompt, 10)
     assert session.state is None
+
+
+def test_a_short_prompt_overtakes_a_long_prefill(trained_llama):
+    """With prefill_chunk, a long prompt is committed a chunk per step even when
+    nothing decodes, so a short prompt that arrives meanwhile gets the next chunk,
+    joins and decodes while the long one is still being prefilled; the long one gets
+    a chunk at least every other step. Both replies are mlx-lm's."""
+    model, drafter, prompts = trained_llama
+    long_prompt = [t for p in prompts[4:40] for t in p][:81]  # 80 positions: 10 chunks
+    short_prompt = prompts[1]  # at most 7 positions: one chunk
+    session = DecodingSession(model, drafter, tree="2x3", prefill_chunk=8)
+    session.add([Request(long_prompt, stop=StopConfig(10))], ids=[0])
+    assert session.step() == []  # its first chunk; nothing decodes yet
+    session.add([Request(short_prompt, stop=StopConfig(10))], ids=[1])
+    outputs: dict[int, list[int]] = {}
+    steps = 1
+    while 0 not in outputs:
+        steps += 1
+        for update in session.step():
+            outputs.setdefault(update.request, []).extend(update.tokens)
+        if steps == 2:  # the short prompt's chunk, its join and its first step
+            assert list(outputs) == [1] and outputs[1]
+    assert steps == 11  # 10 chunks of the long prompt and 1 of the short one
+    while session.active:
+        for update in session.step():
+            outputs[update.request] += update.tokens
+    assert outputs[0] == mlx_lm_greedy(model, long_prompt, 10)
+    assert outputs[1] == mlx_lm_greedy(model, short_prompt, 10)
 
 
 def test_prefill_chunk_must_be_positive(trained_llama):

@@ -57,9 +57,9 @@ def test_commit_keeps_only_num_kept_entries(cache_after_tree):
     assert mx.array_equal(kept, written[:, :, mx.array([0, 3])]).item()
 
 
-def test_a_row_behind_the_frontier_moves_even_along_the_first_beam():
-    # Two rows of lengths 5 and 3: the tree goes after the frontier (slot 5), so the
-    # shorter row's accepted entries must move back to slots 3, 4, 5.
+def test_a_row_behind_the_frontier_writes_its_tree_after_its_own_context():
+    # Two rows of lengths 5 and 3: each row's tree goes right after its own context
+    # (slots 5-9 and 3-7), so a path along the first beam moves nothing in either.
     model = prepare_target(tiny_model("llama"))
     cache = TargetCache(model, batch_size=2)
     prompts = mx.array([PROMPT, PROMPT[:3] + [0, 0]])
@@ -68,13 +68,22 @@ def test_a_row_behind_the_frontier_moves_even_along_the_first_beam():
     assert cache.host_lengths == [5, 3]
     tree = pack_tree(mx.concatenate([BEAMS, BEAMS]), num_packed=5)
     mx.eval(target_hidden(model, cache, tree))
-    written = cache.layers[0].keys[:, :, 5:10]  # (2, H, 5, Dh)
+    keys = cache.layers[0].keys
+    written = [keys[0, :, 5:10], keys[1, :, 3:8]]  # (H, 5, Dh) each
     mx.eval(written)
+    assert mx.array_equal(written[0], written[1]).item() is False  # different contexts
     cache.commit([[0, 1, 2], [0, 1, 2]], [3, 3])
     assert cache.host_lengths == [8, 6]
+    assert cache.layers[0].keys is keys  # nothing moved
+    # Along another beam, each row's nodes move to the slots after its own context.
+    tree = pack_tree(mx.concatenate([BEAMS, BEAMS]), num_packed=5)
+    mx.eval(target_hidden(model, cache, tree))
+    written = [cache.layers[0].keys[0, :, 8:13], cache.layers[0].keys[1, :, 6:11]]
+    mx.eval(written)
+    cache.commit([[0, 3, 4], [0, 3, 4]], [3, 3])
     keys = cache.layers[0].keys
-    assert mx.array_equal(keys[0, :, 5:8], written[0, :, :3]).item()
-    assert mx.array_equal(keys[1, :, 3:6], written[1, :, :3]).item()
+    assert mx.array_equal(keys[0, :, 8:11], written[0][:, mx.array([0, 3, 4])]).item()
+    assert mx.array_equal(keys[1, :, 6:9], written[1][:, mx.array([0, 3, 4])]).item()
 
 
 def test_entries_past_num_kept_do_not_force_a_move(cache_after_tree):

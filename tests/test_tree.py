@@ -8,6 +8,7 @@ from mlx_redrafter.tree import (
     ABSENT,
     attention_mask,
     chain_tree,
+    key_positions,
     pack_tree,
     pad_beams,
     prefix_owners,
@@ -87,15 +88,18 @@ def test_tree_budget_cuts_the_last_beams_tails():
     assert (tree.unpack < 4).tolist() == [[[True] * 3, [True] * 3, [True, False, False]]]
 
 
-def test_attention_mask_hides_stale_slots_of_shorter_rows():
+def test_attention_mask_puts_each_rows_tree_after_its_context_and_hides_stale_slots():
     beams = mx.array([[[1, 2]], [[3, 4]]])  # (B=2, W=1, L=2)
     tree = pack_tree(beams, num_packed=2)
     lengths = mx.array([3, 1])
     mask = attention_mask(tree, lengths, frontier=3)  # (2, 1, 2, 5)
     assert mask.shape == (2, 1, 2, 5)
     assert mask[0, 0].astype(mx.int32).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    assert mask[1, 0].astype(mx.int32).tolist() == [[1, 0, 0, 1, 0], [1, 0, 0, 1, 1]]
+    # Row 1: context slot 0, its tree at slots 1-2, slots 3-4 stale.
+    assert mask[1, 0].astype(mx.int32).tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
     assert tree_positions(tree, lengths).tolist() == [[3, 4], [1, 2]]
+    positions = tree_positions(tree, lengths)
+    assert key_positions(positions, lengths, frontier=3)[:, :3].tolist() == [[0, 1, 2], [0, 1, 2]]
 
 
 def test_sliding_window_mask_counts_positions_not_slots():
