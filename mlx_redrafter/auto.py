@@ -35,6 +35,7 @@ from .drafter import Drafter
 from .metrics import AcceptanceTable
 
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
+HINDSIGHT_LONGEST = 16  # most steps between two hindsight checks
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps
 # whose best of the first k + 1 branches had d tokens accepted. Measured (greedy,
@@ -282,6 +283,7 @@ class AutoTree:
         self._sampled = False
         self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
         self._unchecked = 0  # steps since lookup branches were last observed
+        self._interval = every  # steps between hindsight checks (doubles while plain)
         longest = int(np.max(np.where(candidates.branches > 0, candidates.branch_length, 0)))
         self._hindsight = (
             TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
@@ -343,15 +345,18 @@ class AutoTree:
 
     def hindsight(self, tree: TreeConfig) -> TreeConfig | None:
         """The lookup branches (G, Ll) to check in hindsight after a step of `tree`: the
-        widest and longest candidate ones, every `every` steps without any verified;
-        None otherwise."""
+        widest and longest candidate ones, after `every` steps without any verified,
+        then after twice as many steps each time (up to `HINDSIGHT_LONGEST`), since a
+        check costs the device a little; a tree with lookup branches resets this.
+        None on the other steps."""
         if self._hindsight is None or tree.lookup_branches:
-            self._unchecked = 0
+            self._unchecked, self._interval = 0, self.every
             return None
         self._unchecked += 1
-        if self._unchecked < self.every:
+        if self._unchecked < self._interval:
             return None
         self._unchecked = 0
+        self._interval = min(2 * self._interval, max(HINDSIGHT_LONGEST, self.every))
         return self._hindsight
 
     def record_hindsight(self, runs: np.ndarray, lookup_tree: TreeConfig) -> None:

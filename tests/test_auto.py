@@ -182,14 +182,18 @@ def test_drafter_trees_are_still_retried_while_hindsight_sees_no_copying():
     assert any(tree.beam_width >= 1 and tree.beam_length > 1 for tree in late)
 
 
-def test_hindsight_is_asked_every_few_steps_without_lookup_branches():
+def test_hindsight_is_asked_ever_less_often_without_lookup_branches():
+    """After 4 steps without lookup branches, then 8, then 16 at most; a step with
+    lookup branches starts again from 4."""
     auto = auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, has_drafter=False)
-    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(8)]
-    assert [a is not None for a in asked] == [False, False, False, True] * 2
+    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(60)]
+    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12, 28, 44, 60]
     assert asked[3] is not None and asked[3].lookup_branches == 4
     assert asked[3].lookup_branch_length == 10
     lookup_tree = TreeConfig(0, 1, lookup_branches=1, lookup_length=7)
     assert all(auto.hindsight(lookup_tree) is None for _ in range(8))
+    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(12)]
+    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12]
 
 
 def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
