@@ -8,13 +8,14 @@
         shape (or --drafter) measures it.
 
     python -m mlx_redrafter.apps.loadtest http [--clients 1,2,4,8] [--requests 2]
-            [--max-tokens 64] [--against-mlx-lm] [--out DIR]
-        Starts each server in its own process on a loopback port (mlx_lm.server with
-        --against-mlx-lm, then `mlx-redrafter serve` with speculation off and on: the
-        auto tree, or a --tree as is ("fixed") and with its speed guard ("guarded")),
-        and for each number of concurrent clients sends a bounded number of streamed
-        greedy chat requests per client; prints throughput, latency and time to first
-        token (p50, p95) and writes loadtest.json and loadtest.png to --out.
+            [--repeats 2] [--max-tokens 64] [--against-mlx-lm] [--out DIR]
+        Starts every server in its own process on a loopback port (mlx_lm.server with
+        --against-mlx-lm, and `mlx-redrafter serve` with speculation off and on: the
+        auto tree, or a --tree as is ("fixed") and with its speed guard ("guarded")).
+        For each number of concurrent clients, the servers take turns for --repeats
+        rounds each, every client sending --requests streamed greedy chat requests per
+        round; prints throughput, latency and time to first token (p50, p95) over all
+        of a server's rounds and writes loadtest.json and loadtest.png to --out.
 
     python -m mlx_redrafter.apps.loadtest soak [--clients 4] [--minutes 2] [--requests 1000]
         Concurrent clients send mixed short and long greedy requests, drop some streams
@@ -321,25 +322,58 @@ def table_row(row: dict[str, Any]) -> str:
     )
 
 
-def rounds(
-    name: str, host: str, port: int, args: argparse.Namespace, deadline: float
-) -> list[dict[str, Any]]:
-    """A warm-up request, then a round per number of clients against one server."""
-    # One short request first: the first forward of a shape compiles kernels.
+@dataclass(frozen=True)
+class Server:
+    """One server of the load test: its name, command, port and readiness path."""
+
+    name: str
+    command: list[str]
+    port: int
+    ready: str
+
+
+def warm_up(server: Server) -> None:
+    """One short request: the first forward of a shape compiles kernels."""
     warm = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
-    stream_chat(host, port, warm, timeout=300)
+    stream_chat("127.0.0.1", server.port, warm, timeout=300)
+
+
+def interleaved_rounds(
+    servers: list[Server], args: argparse.Namespace, deadline: float
+) -> list[dict[str, Any]]:
+    """For each number of clients, `--repeats` rounds per server, the servers taking
+    turns (in a rotated order each repeat), so that a machine that slows down or
+    speeds up during the run favours none of them. Every server gets the same
+    prompts in a repeat; each repeat (and each number of clients) sends prompts no
+    earlier one sent, so no round hits a prefix cache. One row per server and
+    number of clients, over all its repeats."""
     rows, offset = [], 0
     for clients in (int(c) for c in args.clients.split(",")):
-        # Prompts no earlier round sent: no prefix cache hits from one round to the next.
-        run, wall = load_round(
-            host, port, clients, args.requests, args.max_tokens, deadline, offset
-        )
-        offset += clients * args.requests
-        if not run.samples:
-            print(f"| {name} | {clients} | 0 | (time limit reached) | | | |", flush=True)
-            continue
-        rows.append(summarize(name, clients, run, wall))
-        print(table_row(rows[-1]), flush=True)
+        runs = {server.name: (Run(), [0.0]) for server in servers}
+        for repeat in range(args.repeats):
+            turn = repeat % len(servers)
+            for server in servers[turn:] + servers[:turn]:
+                run, wall = load_round(
+                    "127.0.0.1",
+                    server.port,
+                    clients,
+                    args.requests,
+                    args.max_tokens,
+                    deadline,
+                    offset,
+                )
+                total, walls = runs[server.name]
+                total.samples += run.samples
+                total.errors += run.errors
+                walls[0] += wall
+            offset += clients * args.requests
+        for server in servers:
+            total, walls = runs[server.name]
+            if not total.samples:
+                print(f"| {server.name} | {clients} | 0 | (time limit reached) | | | |")
+                continue
+            rows.append(summarize(server.name, clients, total, walls[0]))
+            print(table_row(rows[-1]), flush=True)
     return rows
 
 
@@ -388,17 +422,17 @@ def _answers(port: int, path: str) -> bool:
         connection.close()
 
 
-def server_commands(args: argparse.Namespace, port: int) -> list[tuple[str, list[str], str]]:
-    """(name, command, readiness path) of every server the load test runs: mlx_lm.server
+def server_commands(args: argparse.Namespace) -> list[Server]:
+    """Every server the load test runs, each on its own loopback port: mlx_lm.server
     (with --against-mlx-lm), then `mlx-redrafter serve` with speculation off and on,
     all on the same model folder and otherwise with their default settings."""
     from mlx_redrafter.loading import model_path
 
     python = sys.executable
-    common = ["--model", model_path(args.model), "--host", "127.0.0.1", "--port", str(port)]
-    servers = []
+    common = ["--model", model_path(args.model), "--host", "127.0.0.1"]
+    commands = []
     if args.against_mlx_lm:
-        servers.append(("mlx_lm.server", [python, "-m", "mlx_lm.server", *common], "/health"))
+        commands.append(("mlx_lm.server", [python, "-m", "mlx_lm.server", *common], "/health"))
     ours = [python, "-c", "import sys; from mlx_redrafter.cli import main; sys.exit(main())"]
     ours += ["serve", *common] + (["--drafter", args.drafter] if args.drafter else [])
     modes = [("off", ["--tree", "plain"])]
@@ -408,21 +442,33 @@ def server_commands(args: argparse.Namespace, port: int) -> list[tuple[str, list
         modes += [("on, fixed", ["--tree", args.tree, "--fixed-tree"])]
         modes += [("on, guarded", ["--tree", args.tree])]
     for name, flags in modes:
-        servers.append((f"mlx-redrafter, {name}", ours + flags, "/v1/models"))
+        commands.append((f"mlx-redrafter, {name}", ours + flags, "/v1/models"))
+    servers, ports = [], set()
+    for name, command, ready in commands:
+        port = free_port()
+        while port in ports:
+            port = free_port()
+        ports.add(port)
+        servers.append(Server(name, [*command, "--port", str(port)], port, ready))
     return servers
 
 
 def http_load(args: argparse.Namespace) -> int:
-    """Every server in turn, each in its own process, the clients in this one."""
+    """Every server in its own process, all running at once (an idle server waits
+    without using the CPU), the clients in this one; rounds interleaved."""
     if args.drafter == "untrained":
         raise SystemExit("loadtest http: --drafter untrained is for `steps` only; give a folder")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     deadline = time.monotonic() + args.time_limit
-    print(HEADER, flush=True)
-    rows = []
-    port = free_port()
-    for name, command, ready in server_commands(args, port):
-        with server_process(command, port, ready):
-            rows += rounds(name, "127.0.0.1", port, args, deadline)
+    servers = server_commands(args)
+    with contextlib.ExitStack() as running:
+        for server in servers:
+            running.enter_context(server_process(server.command, server.port, server.ready))
+        for server in servers:
+            warm_up(server)
+        print(HEADER, flush=True)
+        rows = interleaved_rounds(servers, args, deadline)
     if args.out:
         write_load_results(Path(args.out), rows, args)
     return 0
@@ -435,7 +481,11 @@ def write_load_results(folder: Path, rows: list[dict[str, Any]], args: argparse.
     from mlx_redrafter.files import write_json
 
     folder.mkdir(parents=True, exist_ok=True)
-    settings = {"requests_per_client": args.requests, "max_tokens": args.max_tokens}
+    settings = {
+        "requests_per_client": args.requests,
+        "repeats": args.repeats,
+        "max_tokens": args.max_tokens,
+    }
     result = {"environment": environment(), "config": settings, "rounds": rows}
     write_json(folder / "loadtest.json", result)
     print(f"wrote {folder / 'loadtest.json'}")
@@ -596,7 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     steps.set_defaults(run=step_costs)
     load = sub.add_parser("http", help="concurrent clients against the server")
     load.add_argument("--clients", default="1,2,4,8")
-    load.add_argument("--requests", type=int, default=2, help="requests per client")
+    load.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    load.add_argument(
+        "--repeats", type=int, default=2, help="rounds per server and number of clients"
+    )
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--tree", default=DEFAULT_TREE, help="tree or policy when speculation is on")
     load.add_argument("--time-limit", type=float, default=1800, help="seconds for everything")

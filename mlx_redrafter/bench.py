@@ -18,6 +18,7 @@ prefill tokens/s is prompt tokens over the time to the first response.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -65,6 +66,9 @@ class BenchConfig:
     batch_sizes: batch sweep sizes (empty: no sweep), with the first tree.
     without_drafter: also run each tree without the drafter (its lookup branches
         alone), to show what the drafter adds.
+    ignore_eos: every method decodes exactly max_tokens tokens, EOS or not (as
+        vLLM's benchmark's --ignore-eos). Sampled replies differ from mlx-lm's, and so
+        do their lengths; at equal lengths the speed-up compares equal work.
     """
 
     max_tokens: int = 256
@@ -76,6 +80,7 @@ class BenchConfig:
     profile_prompts: int = 4
     batch_sizes: tuple[int, ...] = ()
     without_drafter: bool = False
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,16 @@ class Run:
         return throughput(self.prompt_tokens, self.time_to_first_response)
 
 
+def without_eos(tokenizer: Any) -> Any:
+    """A copy of mlx-lm's tokenizer wrapper with no EOS token: generation runs to
+    max_tokens (the original is untouched)."""
+    if not hasattr(tokenizer, "eos_token_ids"):
+        raise ValueError("--ignore-eos needs mlx-lm's tokenizer wrapper (eos_token_ids)")
+    stripped = copy.copy(tokenizer)
+    stripped.eos_token_ids = []
+    return stripped
+
+
 def run_method(
     method: Method,
     model: nn.Module,
@@ -153,6 +168,8 @@ def run_method(
     trees: list[int] = []
     used: dict[str, int] = {}
     produced = 0.0
+    if config.ignore_eos:
+        tokenizer = without_eos(tokenizer)
     started = time.perf_counter()
     sampling = config.sampling
     if method.tree is None:
@@ -500,6 +517,7 @@ def run_benchmark(
             "trees": [tree_label(tree) for tree in config.trees],
             "sampling": asdict(config.sampling),
             "seed": config.seed,
+            "ignore_eos": config.ignore_eos,
             "prompts": len(prompts),
             "categories": list(categories) if categories is not None else None,
         },

@@ -57,6 +57,8 @@ class TreeRope(nn.Module):
         if not isinstance(offset, mx.array) or offset.ndim < 2:
             return self.rope(x, offset=offset)
         batch_size, num_heads, num_tokens, head_dim = x.shape
+        if num_tokens == 1:  # one token per row (plain decoding): a (B,) offset as is
+            return self.rope(x, offset=offset[:, 0])
         folded = x.transpose(0, 2, 1, 3).reshape(batch_size * num_tokens, num_heads, 1, head_dim)
         rotated = self.rope(folded, offset=offset.reshape(-1))  # (B*N, H, 1, Dh)
         rotated = rotated.reshape(batch_size, num_tokens, num_heads, head_dim)  # (B, N, H, Dh)

@@ -3,7 +3,9 @@
 import json
 import os
 import sys
+from dataclasses import replace
 
+import mlx.core as mx
 import pytest
 from tiny_models import tiny_model, tiny_tokenizer
 
@@ -18,7 +20,7 @@ from mlx_redrafter.bench import (
 from mlx_redrafter.bench_plots import write_plots
 from mlx_redrafter.commands.bench import parse_sizes
 from mlx_redrafter.commands.common import describe_tree, parse_tree, parse_trees
-from mlx_redrafter.config import PLAIN_DECODING, TreeConfig
+from mlx_redrafter.config import PLAIN_DECODING, SamplingConfig, TreeConfig
 from mlx_redrafter.decode import plan_step
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.prompts import read_prompts
@@ -238,3 +240,28 @@ def test_each_tree_also_runs_without_the_drafter_when_asked(trained_llama):
     assert rows["redrafter 2x3+1"]["tau"] > rows["redrafter 2x3+1 no drafter"]["tau"]
     fixed = [r for r in result["runs"] if r["method"] == "redrafter 2x3+1 no drafter"]
     assert all(size <= 1 + 3 for run in fixed for size in run["tree_sizes"])  # no beams
+
+
+def test_ignore_eos_decodes_every_method_to_max_tokens(trained_llama):
+    """--ignore-eos: every method, mlx-lm's included, runs to max_tokens (equal work),
+    even when the EOS token is the first one chosen; the caller's tokenizer keeps its
+    EOS, which still ends replies without the flag."""
+    model, drafter, prompts = trained_llama
+    first = int(mx.argmax(model(mx.array([prompts[0]]))[0, -1]).item())
+    tokenizer = tiny_tokenizer()
+    tokenizer.eos_token_ids = [first]  # the greedy reply to prompt 0 ends at once
+    config = BenchConfig(
+        max_tokens=12,
+        trees=(TreeConfig(2, 3),),
+        unpacked=False,
+        warmup_tokens=4,
+        profile_prompts=0,
+    )
+    ended = run_benchmark(model, drafter, tokenizer, prompts[:1], config)
+    assert all(len(run["tokens"]) == 0 for run in ended["runs"])
+    config = replace(config, ignore_eos=True, sampling=SamplingConfig(temperature=1.0))
+    result = run_benchmark(model, drafter, tokenizer, prompts[:2], config)
+    assert {run["method"] for run in result["runs"]} == {"mlx-lm", "plain", "redrafter 2x3"}
+    assert all(len(run["tokens"]) == 12 for run in result["runs"])
+    assert result["config"]["ignore_eos"] is True
+    assert set(tokenizer.eos_token_ids) == {first}

@@ -34,19 +34,19 @@ def test_a_short_load_test_against_mlx_lm_server(trained_llama, tmp_path, capsys
     model, drafter, _ = trained_llama
     model_dir, drafter_dir = save_tiny(model, drafter, tmp_path / "tiny")
     argv = ["--model", str(model_dir), "--drafter", str(drafter_dir), "http"]
-    argv += ["--clients", "1,2", "--requests", "1", "--max-tokens", "6", "--against-mlx-lm"]
+    argv += ["--clients", "1,2", "--requests", "1", "--repeats", "2", "--max-tokens", "6"]
+    argv += ["--against-mlx-lm"]
     argv += ["--time-limit", "600", "--out", str(tmp_path / "out")]
     assert main(argv) == 0
     rows = json.loads((tmp_path / "out" / "loadtest.json").read_text())["rounds"]
     servers = [row["server"] for row in rows]
-    assert (
-        servers
-        == ["mlx_lm.server"] * 2 + ["mlx-redrafter, off"] * 2 + ["mlx-redrafter, on, auto"] * 2
-    )
-    assert [row["clients"] for row in rows] == [1, 2] * 3
-    assert all(row["failed"] == 0 and row["requests"] == row["clients"] for row in rows)
+    names = ["mlx_lm.server", "mlx-redrafter, off", "mlx-redrafter, on, auto"]
+    assert servers == names * 2  # every server at 1 client, then at 2
+    assert [row["clients"] for row in rows] == [1] * 3 + [2] * 3
+    # Two interleaved rounds per server and number of clients, one request per client each.
+    assert all(row["failed"] == 0 and row["requests"] == 2 * row["clients"] for row in rows)
     assert all(row["tokens_per_second"] > 0 for row in rows)
-    assert "| mlx_lm.server | 2 | 2 |" in capsys.readouterr().out
+    assert "| mlx_lm.server | 2 | 4 |" in capsys.readouterr().out
 
 
 def test_step_costs_include_plain_and_mlx_lm_batched_decoding(trained_llama, tmp_path, capsys):

@@ -78,6 +78,12 @@ def register(commands: Any) -> None:
     bench.add_argument("--top-k", type=int, default=0)
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every method decodes exactly --max-tokens tokens: sampled replies (and their "
+        "lengths) differ from mlx-lm's, so this compares equal work",
+    )
+    bench.add_argument(
         "--batch-sizes",
         type=parse_sizes,
         default=(),
@@ -166,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         profile_prompts=args.profile_prompts,
         batch_sizes=args.batch_sizes,
+        ignore_eos=args.ignore_eos,
     )
     if args.per_category is not None and args.per_category < 1:
         raise ValueError("--per-category must be >= 1")
