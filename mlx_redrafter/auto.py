@@ -17,7 +17,9 @@ decoding; as the estimate forgets, it is tried again now and then. While no look
 branches are verified, the estimate still learns theirs in hindsight: every few
 steps the session checks what branches drafted a few tokens back would have had
 accepted (`lookup.hindsight_runs`), so copying text switches lookup trees on without
-spending a single verification on them.
+spending a single verification on them; and while no drafter beams are verified,
+probes draft a few beams without verifying them and compare them with the tokens
+decoded since (`probes.py`), so the drafter's estimate follows the text too.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from .drafter import Drafter
 from .metrics import AcceptanceTable
 
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
-HINDSIGHT_LONGEST = 16  # most steps between two hindsight checks
+HINDSIGHT_LONGEST = 16  # most steps between two hindsight checks (or drafter probes)
+PROBE_WIDTH, PROBE_LENGTH = 2, 5  # the drafter tree a probe drafts (`probes.py`)
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps
 # whose best of the first k + 1 branches had d tokens accepted. Measured (greedy,
@@ -252,6 +255,27 @@ def step_seconds(
 # -- the choice ------------------------------------------------------------------------
 
 
+class CheckSchedule:
+    """When to run a check that costs the device a little (a hindsight search, a
+    drafter probe): after `first` steps that do not verify what it checks, then
+    after twice as many steps each time, up to every `longest`; a step that
+    verifies it starts over."""
+
+    def __init__(self, first: int, longest: int):
+        self.first, self.longest = first, max(longest, first)
+        self.waited, self.interval = 0, first
+
+    def due(self, verified: bool) -> bool:
+        if verified:
+            self.waited, self.interval = 0, self.first
+            return False
+        self.waited += 1
+        if self.waited < self.interval:
+            return False
+        self.waited, self.interval = 0, min(2 * self.interval, self.longest)
+        return True
+
+
 class AutoTree:
     """Chooses each step's tree from the calibrated cost and the running acceptance.
 
@@ -273,7 +297,9 @@ class AutoTree:
         kinds = (int(candidates.width.max()), int(candidates.branches.max()))
         if not prior.lookup:
             prior = replace(prior, lookup=LOOKUP_PRIOR.lookup)
-        self.acceptance = AcceptanceEstimate(prior_cube(prior, kinds[0], kinds[1], DEPTH))
+        cube = prior_cube(prior, kinds[0], kinds[1], DEPTH)
+        self.acceptance = AcceptanceEstimate(cube)
+        self._prior_tokens = expected_tokens(candidates, cube)  # (C,) for the probes
         self.every, self.margin = every, margin
         self.overhead = 0.0  # measured step time beyond the calibrated cost (seconds)
         self.current: dict[int, int] = {}  # batch size -> candidate index
@@ -282,12 +308,14 @@ class AutoTree:
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
         self._sampled = False
         self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
-        self._unchecked = 0  # steps since lookup branches were last observed
-        self._interval = every  # steps between hindsight checks (doubles while plain)
+        self._hindsight_due = CheckSchedule(every, HINDSIGHT_LONGEST)
+        self._probe_due = CheckSchedule(every, HINDSIGHT_LONGEST)
         longest = int(np.max(np.where(candidates.branches > 0, candidates.branch_length, 0)))
         self._hindsight = (
             TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
         )
+        self._probe = TreeConfig(min(PROBE_WIDTH, kinds[0]), PROBE_LENGTH) if kinds[0] else None
+        self._last = (1, 0, False)  # (batch size, context, sampled) of the last choice
 
     @classmethod
     def for_model(cls, model: nn.Module, drafter: Drafter | None, **options: float) -> AutoTree:
@@ -300,7 +328,12 @@ class AutoTree:
         prior = LOOKUP_PRIOR
         if drafter is not None:
             prior = drafter.acceptance or DRAFTER_PRIOR
-        return cls(calibration, candidates, prior, **options)  # type: ignore[arg-type]
+        return cls(
+            calibration,
+            candidates,
+            prior,
+            **options,  # type: ignore[arg-type]
+        )
 
     @property
     def trees(self) -> list[TreeConfig]:
@@ -333,9 +366,9 @@ class AutoTree:
     def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
         age = self._age.get(batch_size, 0)
         current = self.current.get(batch_size)
+        self._sampled, self._last = sampled, (batch_size, context, sampled)
         if current is None or age >= self.every:
             speeds = self.speeds(batch_size, context, sampled)
-            self._sampled = sampled
             best = int(np.argmax(speeds))
             if current is None or speeds[best] > speeds[current] * (1 + self.margin):
                 current = best
@@ -345,19 +378,35 @@ class AutoTree:
 
     def hindsight(self, tree: TreeConfig) -> TreeConfig | None:
         """The lookup branches (G, Ll) to check in hindsight after a step of `tree`: the
-        widest and longest candidate ones, after `every` steps without any verified,
-        then after twice as many steps each time (up to `HINDSIGHT_LONGEST`), since a
-        check costs the device a little; a tree with lookup branches resets this.
-        None on the other steps."""
-        if self._hindsight is None or tree.lookup_branches:
-            self._unchecked, self._interval = 0, self.every
+        widest and longest candidate ones, on the steps `CheckSchedule` picks among
+        those without lookup branches (a check costs the device a little). None on
+        the other steps."""
+        if self._hindsight is None:
             return None
-        self._unchecked += 1
-        if self._unchecked < self._interval:
+        return self._hindsight if self._hindsight_due.due(tree.lookup_branches > 0) else None
+
+    def probe(self, tree: TreeConfig) -> TreeConfig | None:
+        """The drafter tree (W, L) to probe on a step of `tree` (`probes.py`), on the
+        steps `CheckSchedule` picks among those without drafter beams, only for greedy
+        steps, and only where some drafter tree could beat plain decoding with the
+        prior's acceptance on this machine's cost curve (so never where verification
+        cannot pay, as with 4-bit weights on a CPU). None on the other steps."""
+        if self._probe is None:
             return None
-        self._unchecked = 0
-        self._interval = min(2 * self._interval, max(HINDSIGHT_LONGEST, self.every))
-        return self._hindsight
+        if not self._probe_due.due(tree.beam_width > 0 and tree.beam_length > 1):
+            return None
+        batch_size, context, sampled = self._last
+        if sampled:  # a sample rarely matches a beam: a probe tells little, costs a search
+            return None
+        speeds = batch_size * self._prior_tokens / self.costs(batch_size, context, sampled)
+        drafted = self.candidates.width > 0
+        return self._probe if speeds[drafted].max(initial=0.0) > speeds[0] else None
+
+    def record_probe(self, runs: np.ndarray, probe_tree: TreeConfig) -> None:
+        """Learn drafter acceptance from the runs (B, W) that a probe's beams would
+        have had accepted."""
+        none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no lookup branches
+        self.acceptance.observe(runs, none, probe_tree.beam_length, 1)
 
     def record_hindsight(self, runs: np.ndarray, lookup_tree: TreeConfig) -> None:
         """Learn lookup acceptance from the runs (B, G) that the branches of

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
@@ -52,6 +52,9 @@ class DecodeState:
     drafted: the next step's candidates, drafted ahead (`prefetch`), with the step
         functions that drafted them.
     ahead: the next plain step's forward, launched ahead (`launch_plain`).
+    riders: lazy arrays a check wants computed (hindsight runs, probe beams); the
+        step evaluates them with its own work, at its look-ahead launch or its
+        sync, so they never make the host wait for a forward in flight.
     """
 
     cache: TargetCache
@@ -63,6 +66,15 @@ class DecodeState:
     history: mx.array
     drafted: tuple[StepFunctions, mx.array] | None = None
     ahead: PlainForward | None = None
+    riders: list[mx.array] = field(default_factory=list)
+
+    def ride(self, *arrays: mx.array) -> None:
+        """Have the next step evaluate these arrays with its own work."""
+        self.riders.extend(arrays)
+
+    def take_riders(self) -> list[mx.array]:
+        riders, self.riders = self.riders, []
+        return riders
 
     def prefetch(self, steps: StepFunctions, beams: mx.array) -> None:
         """Keep the next step's candidates (B, W + G, L), drafted ahead and evaluated
@@ -518,7 +530,7 @@ def decode_step(
     walk = (steps, state, beams, tree, hidden, logits, logprobs)
     result, figures = accept_choices(*walk, choices)
     # The step's one host sync (it also materializes this forward's K/V writes).
-    mx.eval(state.hidden, result, tree.num_tokens, unsure, _arrays(figures))
+    mx.eval(state.hidden, result, tree.num_tokens, unsure, _arrays(figures), state.take_riders())
     if unsure.item():
         # Rare: near-equal logits at some node; choose exactly as mlx-lm does.
         result, figures = accept_choices(*walk, choose_tokens(logits, state.sampling, keys))
@@ -589,6 +601,9 @@ def launch_plain(model: nn.Module, state: DecodeState) -> None:
     step t+1 while step t computes and the host handles its tokens. `plain_step`
     takes it; a change of rows (`select_rows`, `extend`) or a tree step drops it."""
     forward = plain_forward(model, state)
+    riders = state.take_riders()
+    if riders:  # waits, as the launch below would, for the forward in flight
+        mx.async_eval(*riders)
     mx.async_eval(forward.hidden, forward.choices, forward.unsure)
     state.ahead = forward
 
@@ -622,7 +637,7 @@ def plain_step(
     if logprobs is not None:
         figures = emitted_logprobs(forward.logits, roots, forward.choices, logprobs)
     # The step's one host sync.
-    mx.eval(forward.hidden, forward.choices, forward.unsure, _arrays(figures))
+    mx.eval(forward.hidden, forward.choices, forward.unsure, _arrays(figures), state.take_riders())
     tokens = host_rows(forward.choices)
     if forward.unsure.item():
         # Rare: near-equal logits; choose exactly as mlx-lm does, and if that changes

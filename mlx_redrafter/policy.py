@@ -127,7 +127,11 @@ class TreeChoice(Protocol):
     `auto.AutoTree`). A choice may also learn lookup acceptance in hindsight, as the
     auto tree does: `hindsight(tree) -> TreeConfig | None` names lookup branches to
     check after a step of `tree`, and `record_hindsight(runs, lookup_tree)` gets
-    the runs (B, G) they would have had accepted (`lookup.hindsight_runs`)."""
+    the runs (B, G) they would have had accepted (`lookup.hindsight_runs`); and
+    drafter acceptance from probes: `probe(tree) -> TreeConfig | None` names a
+    drafter tree to draft unverified on a step of `tree`, and
+    `record_probe(runs, probe_tree)` gets the runs (B, W) its beams would have had
+    accepted (`probes.py`)."""
 
     @property
     def trees(self) -> list[TreeConfig]:

@@ -58,6 +58,7 @@ from .lookup import hindsight_runs
 from .metrics import RequestMetrics
 from .ngrams import table_branches
 from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
+from .probes import DraftProbe
 from .prompt_cache import PromptCache
 from .streams import THREAD as _THREAD
 from .streams import generation_stream
@@ -340,6 +341,7 @@ class DecodingSession:
         self._planned: tuple[int, TreeConfig] | None = None  # (batch size, next tree)
         self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
         self._oldest_due = False  # the oldest prefill gets the next chunk
+        self._probe: DraftProbe | None = None  # drafter beams waiting for their tokens
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -572,8 +574,10 @@ class DecodingSession:
         look_ahead = self._look_ahead(state, tree)
         asked = [self._rows[i].request.logprobs for i in state.row_ids]
         top = max((k for k in asked if k is not None), default=None)
+        row_ids = list(state.row_ids)
         with mx.stream(generation_stream()):
             hindsight = self._hindsight(state, tree)
+            self._start_probe(state, tree)
             output = decode_step(
                 self.model, steps, state, self.clock, self.prefetch, look_ahead, top
             )
@@ -584,6 +588,7 @@ class DecodingSession:
         record = getattr(self.policy, "record_hindsight", None)
         if hindsight is not None and record is not None:
             record(np.array(hindsight[0]), hindsight[1])
+        self._follow_probe(row_ids, output.tokens)
         self._count(used, batch_size)
         keep = []
         for position, request_id in enumerate(list(state.row_ids)):
@@ -634,8 +639,36 @@ class DecodingSession:
         count, ngram = lookup_tree.lookup_branches, lookup_tree.lookup_ngram
         runs = hindsight_runs(state.history, lengths, count, length, ngram, fallback)  # (B, G)
         runs = mx.where(mx.array(checked)[:, None], runs, -1)  # (B, G)
-        mx.async_eval(runs)
+        state.ride(runs)
         return runs, lookup_tree
+
+    def _start_probe(self, state: DecodeState, tree: TreeConfig) -> None:
+        """Draft the beams of the drafter tree the policy asks to probe on this step
+        (`probes.py`), evaluated with the step's own work. Optional: a `TreeChoice`
+        without `probe` gets none; one probe at a time."""
+        ask = getattr(self.policy, "probe", None)
+        if self._probe is not None or self.drafter is None or ask is None:
+            return
+        probe_tree = ask(tree)
+        if probe_tree is None:
+            return
+        beams = self.step_functions(probe_tree).draft(state.hidden, state.root_tokens)  # (B, W, L)
+        state.ride(beams)
+        self._probe = DraftProbe.start(probe_tree, state.row_ids, beams)
+
+    def _follow_probe(self, row_ids: list[int], tokens: list[list[int]]) -> None:
+        """Give the probe a step's decoded tokens; once they cover its beams, tell the
+        policy what they would have had accepted. A change of rows voids it."""
+        probe = self._probe
+        if probe is None:
+            return
+        if not probe.add(row_ids, tokens):
+            self._probe = None
+            return
+        runs = probe.runs()
+        if runs is not None:
+            self._probe = None
+            self.policy.record_probe(runs, probe.tree)  # type: ignore[attr-defined]
 
     def _look_ahead(self, state: DecodeState, tree: TreeConfig) -> bool:
         """Whether a plain step of `tree` should launch the next step before its sync:

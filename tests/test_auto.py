@@ -196,6 +196,50 @@ def test_hindsight_is_asked_ever_less_often_without_lookup_branches():
     assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12]
 
 
+def test_drafter_acceptance_is_learned_from_probes_while_decoding_plainly():
+    """Drafter probes tell the estimate what drafter trees would have accepted: after
+    a stretch where nothing was accepted, text the drafter guesses brings them back
+    at once with probes, and not without."""
+    curve = synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1)))
+    probed, unprobed = auto_tree(curve), auto_tree(curve)
+    for auto in (probed, unprobed):
+        steps_where_nothing_is_accepted(auto, in_hindsight=True)
+    before = probed.acceptance.survival()[1, 0, 0]
+    first_drafted = {}
+    for name, auto in (("probed", probed), ("unprobed", unprobed)):
+        for step in range(24):  # text the drafter guesses: every drafted token accepted
+            tree = auto.choose(1)
+            if tree.beam_width and tree.beam_length > 1:
+                first_drafted.setdefault(name, step)
+            runs = np.full((1, tree.num_branches), tree.depth - 1)
+            auto.record(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0)
+            probe = auto.probe(tree)
+            if probe is not None and name == "probed":
+                width, length = probe.beam_width, probe.beam_length
+                auto.record_probe(np.full((1, width), length - 1), probe)
+    assert probed.acceptance.survival()[1, 0, 0] > before + 0.3
+    assert first_drafted["probed"] < first_drafted.get("unprobed", 24)
+
+
+def test_probes_are_scheduled_and_never_drafted_where_verification_cannot_pay():
+    """After 4 steps without drafter beams, then 8, then every 16 (a step with drafter
+    beams starts again from 4); none for sampled steps, nor on a cost curve where no
+    drafter tree can pay."""
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    asked = [auto.probe(PLAIN_DECODING) for _ in range(44)]
+    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12, 28, 44]
+    assert asked[3] == TreeConfig(2, 5)
+    assert all(auto.probe(TreeConfig(1, 3)) is None for _ in range(8))
+    asked = [auto.probe(TreeConfig(0, 1, lookup_branches=1, lookup_length=7)) for _ in range(4)]
+    assert asked[3] == TreeConfig(2, 5)
+    sampling = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    sampling.choose(1, sampled=True)
+    assert all(sampling.probe(PLAIN_DECODING) is None for _ in range(100))
+    linear = auto_tree(synthetic(lambda n: 0.010 * n))  # verification costs N x one token
+    assert all(linear.probe(PLAIN_DECODING) is None for _ in range(100))
+    assert auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, False).probe(PLAIN_DECODING) is None
+
+
 def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
     auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.02 * (n - 1))))
     slow = auto.choose(1)
@@ -260,6 +304,42 @@ def test_a_session_turns_lookup_on_from_what_it_sees_in_hindsight(trained_llama)
     assert [t for u in updates for t in u.tokens] == mlx_lm_greedy(model, prompt, 60)
     assert updates[0].tree == PLAIN_DECODING
     assert any(u.tree.lookup_branches for u in updates)
+
+
+class Probed(OnTheCurve):
+    """`OnTheCurve` that keeps the runs its drafter probes report."""
+
+    def __init__(self, *args, probing: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.probing, self.probe_runs = probing, []
+
+    def probe(self, tree):
+        return super().probe(tree) if self.probing else None
+
+    def record_probe(self, runs, probe_tree):
+        self.probe_runs.append(runs)
+        super().record_probe(runs, probe_tree)
+
+
+def test_a_session_turns_the_drafter_back_on_from_what_its_probes_guess(trained_llama):
+    """A session whose estimate was driven down decodes plainly; its probes draft
+    beams without verifying them, find that they guess the text, and a drafter tree
+    comes back sooner than without probes; output identical to mlx-lm's."""
+    model, drafter, prompts = trained_llama
+    curve = synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1)))
+    first_drafted = {}
+    for probing in (True, False):
+        auto = Probed(curve, candidate_trees(True), GOOD_DRAFTER, probing=probing)
+        steps_where_nothing_is_accepted(auto, in_hindsight=True)
+        session = DecodingSession(model, drafter, tree=auto)
+        updates = list(session.run([Request(prompts[0], stop=StopConfig(40))]))
+        assert [t for u in updates for t in u.tokens] == mlx_lm_greedy(model, prompts[0], 40)
+        assert updates[0].tree == PLAIN_DECODING
+        drafted = [i for i, u in enumerate(updates) if u.tree.beam_width and u.tree.beam_length > 1]
+        first_drafted[probing] = drafted[0] if drafted else len(updates)
+        if probing:
+            assert auto.probe_runs and max(int(r.max()) for r in auto.probe_runs) >= 2
+    assert first_drafted[True] < first_drafted[False]
 
 
 def test_the_auto_tree_is_lossless_with_a_drafter(trained_llama, calibration_folder):
