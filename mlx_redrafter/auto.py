@@ -306,7 +306,6 @@ class AutoTree:
         self._age: dict[int, int] = {}
         self._costs: dict[tuple[int, int, bool], np.ndarray] = {}
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
-        self._sampled = False
         self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
         self._hindsight_due = CheckSchedule(every, HINDSIGHT_LONGEST)
         self._probe_due = CheckSchedule(every, HINDSIGHT_LONGEST)
@@ -366,7 +365,7 @@ class AutoTree:
     def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
         age = self._age.get(batch_size, 0)
         current = self.current.get(batch_size)
-        self._sampled, self._last = sampled, (batch_size, context, sampled)
+        self._last = (batch_size, context, sampled)
         if current is None or age >= self.every:
             speeds = self.speeds(batch_size, context, sampled)
             best = int(np.argmax(speeds))
@@ -427,7 +426,8 @@ class AutoTree:
         )
         index = self._index.get(tree)
         if index is not None:
-            predicted = float(self.calibrated(batch_size, context, self._sampled)[index])
+            sampled = self._last[2]  # the last choice's rows: this step's
+            predicted = float(self.calibrated(batch_size, context, sampled)[index])
             # The step's host work and anything else the calibration did not see ...
             gap = max(seconds - predicted, -0.5 * predicted)
             self.overhead += 0.1 * (gap - self.overhead)

@@ -666,9 +666,12 @@ class DecodingSession:
             self._probe = None
             return
         runs = probe.runs()
-        if runs is not None:
-            self._probe = None
-            self.policy.record_probe(runs, probe.tree)  # type: ignore[attr-defined]
+        if runs is None:
+            return
+        self._probe = None
+        record = getattr(self.policy, "record_probe", None)
+        if record is not None:
+            record(runs, probe.tree)
 
     def _look_ahead(self, state: DecodeState, tree: TreeConfig) -> bool:
         """Whether a plain step of `tree` should launch the next step before its sync:
