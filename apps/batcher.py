@@ -9,25 +9,33 @@ hands to the request's callback.
 
 The tree adapts to the number of rows (`TreePolicy`), and a `SpeedGuard` decodes
 plainly where the tree measurably does not pay.
+
+A sharded model (`mlx_redrafter.distributed`) decodes on every rank in step. Rank 0
+serves the requests; before each step it sends its `Agenda` (the requests it admits,
+the ones it cancels, whether it closes) to the other ranks, whose workers follow it
+and run the same step. Nothing else needs sending: the session's choices agree
+across ranks by themselves.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
+import json
 import secrets
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_redrafter.config import DEFAULT_TREE, CacheConfig, SamplingConfig
+from mlx_redrafter.distributed import leader_bytes, sharding_group
 from mlx_redrafter.drafter import Drafter
 from mlx_redrafter.policy import SpeedGuard, TreePolicy
 from mlx_redrafter.prompt_cache import PrefixStore, PromptCache
@@ -51,6 +59,53 @@ class Job:
     def cancel(self) -> None:
         """Ask the worker to drop this request before its next step."""
         self.cancelled.set()
+
+    def spec(self) -> dict[str, Any]:
+        """What another rank needs to decode this request alike (JSON-ready)."""
+        return {
+            "prompt": self.prompt,
+            "sampling": asdict(self.sampling),
+            "max_tokens": self.max_tokens,
+            "stop": list(self.stop),
+            "seed": self.seed,
+            "logprobs": self.logprobs,
+            "id": self.id,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> Job:
+        """A request another rank admitted, its updates discarded here."""
+        return cls(
+            spec["prompt"],
+            lambda update: None,
+            SamplingConfig(**spec["sampling"]),
+            spec["max_tokens"],
+            tuple(spec["stop"]),
+            spec["seed"],
+            spec["logprobs"],
+            id=spec["id"],
+        )
+
+
+@dataclass(frozen=True)
+class Agenda:
+    """What the worker does before one step: admit `jobs`, cancel the running requests
+    `cancelled` (ids), or, when `closed`, cancel everything and stop."""
+
+    jobs: list[Job]
+    cancelled: list[int]
+    closed: bool
+
+    def encode(self) -> bytes:
+        specs = [job.spec() for job in self.jobs]
+        fields = {"jobs": specs, "cancelled": self.cancelled, "closed": self.closed}
+        return json.dumps(fields).encode()
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Agenda:
+        fields = json.loads(payload)
+        jobs = [Job.from_spec(spec) for spec in fields["jobs"]]
+        return cls(jobs, fields["cancelled"], fields["closed"])
 
 
 class QueueFull(RuntimeError):
@@ -81,6 +136,8 @@ class Batcher:
     running rows and every request that arrives meanwhile).
     prefixes: the prefix cache (None: every prompt is prefilled whole): a request
     reuses the K/V of the longest prefix it shares with a finished one.
+    On a sharded model, rank 0's batcher serves and the other ranks' batchers follow
+    it (`wait` for rank 0 to close); `submit` is for rank 0 only.
     seed: the sampling stream of the worker (None: random). A request's `seed` gives
     it its own key, so a seeded sampled request is reproducible whatever shares its
     batch; unseeded ones take the next key of the worker's stream.
@@ -128,6 +185,14 @@ class Batcher:
         self._ids = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
+        # Sharded: rank 0 serves and sends its agenda; the other ranks follow it.
+        self.group = sharding_group(model)
+        if self.group is not None and prefixes is not None:
+            raise ValueError(
+                "a sharded model cannot keep a prefix cache: each rank's cache holds other "
+                "layers, so their choices of what to keep would differ; turn it off"
+            )
+        self.following = self.group is not None and self.group.rank() != 0
         self._thread = threading.Thread(target=self._run, name="redrafter-decode", daemon=True)
         self._thread.start()
 
@@ -138,6 +203,8 @@ class Batcher:
         return self.session.check_prompt(prompt)
 
     def submit(self, job: Job) -> Job:
+        if self.following:
+            raise RuntimeError("this rank follows rank 0's requests; submit them there")
         problem = self.check_prompt(job.prompt)
         if problem is not None:
             raise ValueError(problem)
@@ -159,6 +226,10 @@ class Batcher:
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def wait(self) -> None:
+        """Return when the worker stops: on a following rank, when rank 0 closes."""
+        self._thread.join()
 
     def close(self, timeout: float = 10.0) -> None:
         with self._wake:
@@ -187,36 +258,55 @@ class Batcher:
                 pass
 
     def _serve_once(self) -> bool:
-        """Admit what arrived, run one step; False once the worker is closed."""
-        jobs = self._take_pending(block=not self._jobs)
-        if self._closed:
-            for update in self.session.close("cancelled"):
-                self._deliver(self._jobs.pop(update.request), update)
-            with self._wake:
-                waiting, self._pending = self._pending, []
-            for job in jobs + waiting + list(self._jobs.values()):  # never decoded
-                self._deliver(job, Update.unstarted(job.id, len(job.prompt), "cancelled"))
-            self._jobs.clear()
-            self._prompt_caches.clear()
+        """Carry out the next agenda and run one step; False once the worker is closed."""
+        agenda = self._next_agenda()
+        if agenda.closed:
+            self._shut_down(agenda.jobs)
             return False
-        jobs = [job for job in jobs if not self._drop_if_cancelled(job)]
         try:
-            if jobs:
-                self._admit(jobs)
-            for job in self._jobs.values():
-                if job.cancelled.is_set():
-                    self.session.cancel(job.id)
+            if agenda.jobs:
+                self._admit(agenda.jobs)
+            for request in agenda.cancelled:
+                self.session.cancel(request)
             for update in self.session.step():
                 self._finish_or_continue(update)
         except Exception as error:  # a failed step must not take the server down
             traceback.print_exc()
             message = f"{type(error).__name__}: {error}"
             self.session.close("error")
-            for job in list(self._jobs.values()) + [j for j in jobs if j.id not in self._jobs]:
+            pending = [job for job in agenda.jobs if job.id not in self._jobs]
+            for job in list(self._jobs.values()) + pending:
                 self._deliver(job, Update.unstarted(job.id, len(job.prompt), "error", message))
             self._jobs.clear()
             self._prompt_caches.clear()
         return True
+
+    def _next_agenda(self) -> Agenda:
+        """This worker's agenda: from its queue, or rank 0's when it follows; rank 0 of
+        a sharded model sends its own to the others."""
+        if self.following and self.group is not None:
+            return Agenda.decode(leader_bytes(b"", self.group))
+        jobs = self._take_pending(block=not self._jobs)
+        if self._closed:
+            agenda = Agenda(jobs, [], closed=True)
+        else:
+            jobs = [job for job in jobs if not self._drop_if_cancelled(job)]
+            cancelled = [job.id for job in self._jobs.values() if job.cancelled.is_set()]
+            agenda = Agenda(jobs, cancelled, closed=False)
+        if self.group is not None:
+            leader_bytes(agenda.encode(), self.group)
+        return agenda
+
+    def _shut_down(self, jobs: list[Job]) -> None:
+        """Cancel the running requests and those never started."""
+        for update in self.session.close("cancelled"):
+            self._deliver(self._jobs.pop(update.request), update)
+        with self._wake:
+            waiting, self._pending = self._pending, []
+        for job in jobs + waiting + list(self._jobs.values()):  # never decoded
+            self._deliver(job, Update.unstarted(job.id, len(job.prompt), "cancelled"))
+        self._jobs.clear()
+        self._prompt_caches.clear()
 
     def _finish_or_continue(self, update: Update) -> None:
         job = self._jobs[update.request]

@@ -10,11 +10,13 @@ auto tree (`auto.py`) reads this curve instead of assuming either.
 
 A calibration is keyed by the model's fingerprint (its parameter names, shapes,
 dtypes and a sample of its values), the drafter's, the device, the dtype and
-quantization, and the MLX version; a change to any of them measures again.
+quantization, the MLX version and this package's engine code (a digest of its
+modules, `engine_digest`); a change to any of them measures again.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -42,7 +44,7 @@ DEPTH = 9  # deepest drafted token of any tree: a step emits at most DEPTH + 1 t
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # N: packed tokens per step
 CONTEXTS = (256, 1024)  # T: context bands; the cost between them is interpolated
 DRAFT_WIDTHS = (1, 2, 4, 8)  # W: beam widths the drafter's cost is measured at
-FORMAT = 2  # bump when the file's meaning changes: old files are measured again
+FORMAT = 3  # bump when the file's meaning changes: old files are measured again
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class CalibrationKey:
     dtype: str
     quantization: str
     mlx: str
+    engine: str = ""  # `engine_digest()`
     format: int = FORMAT
 
     @property
@@ -73,6 +76,11 @@ class Calibration:
         draft_widths[w]: its first drafted token, and each one after it.
     lookup: the lookup branches' search of the row's text, per step.
     sample: the extra cost per packed token of sampling (temperature 1) over argmax.
+    plain_share: the share of a one-token step's calibrated cost (N = 1 at the first
+        context band) that plain decoding pays per step, where each plain step's forward
+        is launched before the previous step's tokens are read (`decode.launch_plain`):
+        the host's work on a step then overlaps the device's, which a tree step,
+        waiting for its acceptance, cannot do.
     """
 
     key: CalibrationKey
@@ -84,6 +92,7 @@ class Calibration:
     draft_level: tuple[float, ...] = ()
     lookup: float = 0.0
     sample: float = 0.0  # sampling one node's token instead of its argmax
+    plain_share: float = 1.0
     seconds: float = 0.0  # how long the measurement took
 
     def verify_seconds(self, num_packed: np.ndarray, context: int) -> np.ndarray:
@@ -187,7 +196,20 @@ def calibration_key(model: nn.Module, drafter: Drafter | None) -> CalibrationKey
         dtype=dtype,
         quantization=quantization(model),
         mlx=str(getattr(mx, "__version__", "unknown")),
+        engine=engine_digest(),
     )
+
+
+@functools.cache
+def engine_digest() -> str:
+    """A digest of this package's engine modules (the package's own .py files and its
+    kernels): a change to the code a step runs may change what the step costs."""
+    package = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*package.glob("*.py"), *package.glob("kernels/*.py")]):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 # -- measuring ---------------------------------------------------------------------
@@ -314,6 +336,30 @@ def _sample_cost(model: nn.Module, repeats: int, nodes: int = 16) -> float:
     return max(sampled - greedy, 0.0) / nodes
 
 
+def _plain_step(model: nn.Module, context: int, repeats: int, steps: int = 8) -> float | None:
+    """Seconds per plain step as the decoding loop runs them, each step's forward
+    launched before the previous step's tokens are read (`decode.launch_plain`): the
+    best of `repeats` + 1 runs of `steps` steps after a `context`-token prompt. None
+    for a sharded model, which never launches ahead (`distributed.py`)."""
+    from .decode import plain_step, prefill
+
+    if sharding_group(model) is not None:
+        return None
+    vocab = int(model.model.embed_tokens.weight.shape[0])
+    prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(4))
+    state = prefill(model, [cast(list[int], prompt.tolist())], CacheConfig())
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for _ in range(steps):
+            plain_step(model, state, look_ahead=True)
+        assert state.ahead is not None
+        mx.eval(state.ahead.choices)  # the forward the last step launched: count it
+        state.ahead = None
+        best = min(best, (time.perf_counter() - start) / (steps + 1))
+    return best
+
+
 def measure(
     model: nn.Module,
     drafter: Drafter | None = None,
@@ -336,6 +382,8 @@ def measure(
     )
     lookup = _lookup_cost(model, drafter, bands[-1], repeats)
     sample = _sample_cost(model, repeats)
+    plain = _plain_step(model, bands[0], repeats)
+    plain_share = 1.0 if plain is None else min(plain / verify[0][0], 1.0)
     # Sharded: rank 0's figures on every rank, so every rank chooses the same trees.
     local = [*first, *level, lookup, sample]
     agreed = agreed_values(local, sharding_group(model))
@@ -351,6 +399,7 @@ def measure(
         draft_level=level,
         lookup=lookup,
         sample=sample,
+        plain_share=plain_share,
         seconds=time.perf_counter() - started,
     )
 
@@ -445,4 +494,8 @@ def format_calibration(calibration: Calibration) -> str:
         )
     lines.append(f"lookup branches: {calibration.lookup * 1e3:.2f} ms per step")
     lines.append(f"sampling: {calibration.sample * 1e3:.3f} ms per packed token")
+    lines.append(
+        f"plain decoding: {calibration.plain_share:.2f} of N=1's time per step "
+        "(each forward launched before the previous step's tokens are read)"
+    )
     return "\n".join(lines)

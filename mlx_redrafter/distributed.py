@@ -1,6 +1,7 @@
 """Sharded targets: speculative decoding of a model split across the ranks of an
 `mx.distributed` group (started with `mlx.launch`), tensor- or pipeline-parallel
-through mlx-lm's own sharding (`Model.shard`, `model.model.pipeline`).
+through mlx-lm's own sharding (`Model.shard`, `model.model.pipeline`), or, for the
+llama family, which mlx-lm 0.32 does not pipeline, through `LlamaStage` here.
 
 Every rank runs the same loop on the same tokens. A sharded forward ends in a
 collective (an all-sum of the tensor shards' outputs, an all-gather of the last
@@ -21,10 +22,11 @@ reason a sharded session never launches a forward ahead of its step's sync.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
 
 from .streams import generation_stream
 from .target import model_family
@@ -52,14 +54,18 @@ def shard_model(model: nn.Module, mode: str, group: mx.distributed.Group) -> nn.
             raise ShardingError(
                 f"{len(model.model.layers)} layers cannot be split over {size} ranks"
             )
-        model.model.pipeline(group)
+        if hasattr(model.model, "pipeline"):
+            model.model.pipeline(group)
+        else:
+            model.model = LlamaStage(model.model, group)
         return model
     args = getattr(model, "args", None)
     heads = int(getattr(args, "num_attention_heads", size))
     kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
     if heads % size or kv_heads % size:
         fits = [str(n) for n in range(2, kv_heads + 1) if not heads % n and not kv_heads % n]
-        other = " --shard pipeline, or" if hasattr(model.model, "pipeline") else ""
+        pipelines = hasattr(model.model, "pipeline") or _is_plain_llama(model.model)
+        other = " --shard pipeline, or" if pipelines else ""
         raise ShardingError(
             f"model family {model_family(model)!r} has {heads} attention and {kv_heads} "
             f"key/value heads, which {size} ranks cannot split evenly; use{other} a number "
@@ -79,17 +85,79 @@ def _check_shardable(model: nn.Module, mode: str) -> None:
             f"model family {family!r} cannot be tensor-sharded: mlx-lm's model has no "
             "shard(); try --shard pipeline, or run it on one machine"
         )
-    if mode == "pipeline" and not hasattr(getattr(model, "model", None), "pipeline"):
+    inner = getattr(model, "model", None)
+    if mode == "pipeline" and not (hasattr(inner, "pipeline") or _is_plain_llama(inner)):
+        why = "mlx-lm's model has no pipeline()"
+        if _is_llama(inner):
+            why = "this package pipelines llama models with full attention only, no sliding window"
         raise ShardingError(
-            f"model family {family!r} cannot be pipeline-sharded: mlx-lm's model has no "
-            "pipeline(); try --shard tensor, or run it on one machine"
+            f"model family {family!r} cannot be pipeline-sharded: {why}; try --shard "
+            "tensor, or run it on one machine"
         )
+
+
+def _is_llama(inner: nn.Module | None) -> bool:
+    """mlx-lm's llama inner model (llama and mistral checkpoints)."""
+    from mlx_lm.models.llama import LlamaModel
+
+    return isinstance(inner, LlamaModel)
+
+
+def _is_plain_llama(inner: nn.Module | None) -> bool:
+    """A llama inner model with full attention in every layer (what `LlamaStage` runs;
+    sliding-window layers would need a second mask)."""
+    return _is_llama(inner) and getattr(inner, "swa_idx", None) is None
+
+
+class LlamaStage(nn.Module):
+    """One pipeline stage of mlx-lm's llama inner model: rank r of S runs the r-th run
+    of whole layers, in order (rank 0 the first layers). A stage receives the hidden
+    states (B, N, D) from rank r - 1, runs its layers, sends them to rank r + 1; the
+    last stage's states are then gathered on every rank, so all ranks hold the same
+    output. Like mlx-lm's pipelined models it has `pipeline_layers` (this stage's
+    layers, one cache each), `pipeline_rank` and `pipeline_size`; `layers` holds this
+    stage's layers only (the weights are loaded before the split), so the model's own
+    `make_cache` makes one cache per layer this rank runs."""
+
+    def __init__(self, inner: nn.Module, group: mx.distributed.Group):
+        super().__init__()
+        self.group = group
+        self.pipeline_rank, self.pipeline_size = group.rank(), group.size()
+        base, extra = divmod(len(inner.layers), self.pipeline_size)
+        sizes = [base + (r < extra) for r in range(self.pipeline_size)]
+        start = sum(sizes[: self.pipeline_rank])
+        self.embed_tokens, self.norm, self.args = inner.embed_tokens, inner.norm, inner.args
+        self.layers = list(inner.layers[start : start + sizes[self.pipeline_rank]])
+
+    @property
+    def pipeline_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def __call__(
+        self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None
+    ) -> mx.array:
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        batch_size = h.shape[0]
+        cache = cache if cache is not None else [None] * len(self.pipeline_layers)
+        mask = create_attention_mask(h, cache[0])
+        rank, size = self.pipeline_rank, self.pipeline_size
+        if rank > 0:  # the previous stage's output replaces this rank's embeddings
+            h = mx.distributed.recv_like(h, rank - 1, group=self.group)
+        for layer, layer_cache in zip(self.pipeline_layers, cache):
+            h = layer(h, mask, cache=layer_cache)
+        if rank < size - 1:
+            h = mx.distributed.send(h, rank + 1, group=self.group)
+            if cache[-1] is not None:  # evaluating the cache alone (a prefill) sends too
+                cache[-1].keys = mx.depends(cache[-1].keys, h)
+        gathered = mx.distributed.all_gather(h, group=self.group)  # (S * B, N, D)
+        return self.norm(gathered[-batch_size:])  # the last stage's (B, N, D)
 
 
 def sharding_group(model: nn.Module) -> mx.distributed.Group | None:
     """The group `model` is sharded over; None when it runs whole in this process."""
-    if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
-        return mx.distributed.init()
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return getattr(inner, "group", None) or mx.distributed.init()
     for _, module in model.named_modules():
         group = getattr(module, "group", None)
         if isinstance(group, mx.distributed.Group) and group.size() > 1:
@@ -137,6 +205,17 @@ def agreed_key(key: mx.array | None, group: mx.distributed.Group | None) -> mx.a
     if key is None or group is None or group.size() == 1:
         return key
     return _all_sum(key if group.rank() == 0 else mx.zeros_like(key), group)
+
+
+def leader_bytes(payload: bytes, group: mx.distributed.Group) -> bytes:
+    """Rank 0's `payload` on every rank of `group` (the others pass b""): two
+    collectives, its length, then its bytes."""
+    leader = group.rank() == 0
+    length = int(cast(int, _all_sum(mx.array(len(payload) if leader else 0), group).item()))
+    if length == 0:
+        return b""
+    mine = mx.array(list(payload) if leader else [0] * length, dtype=mx.int32)
+    return bytes(cast(list[int], _all_sum(mine, group).tolist()))
 
 
 def all_ranks(flag: bool, group: mx.distributed.Group | None) -> bool:

@@ -80,6 +80,29 @@ def test_a_moderate_curve_chooses_a_small_tree_and_batches_shrink_it():
     assert batched.num_packed < alone.num_packed
 
 
+def test_pipelined_plain_steps_make_plain_decoding_cheaper_than_its_forward():
+    """Plain steps overlap the host's work with the device's (`plain_share` of a
+    one-token forward per step): a small tree that beats a plain step priced at its
+    whole forward loses to one priced at its measured share."""
+    curve = synthetic(lambda n: 0.010 * (1 + 0.25 * (n - 1)))
+    tree = auto_tree(curve).choose(1)
+    assert tree != PLAIN_DECODING
+    assert auto_tree(replace(curve, plain_share=0.6)).choose(1) == PLAIN_DECODING
+    costs = auto_tree(replace(curve, plain_share=0.6)).calibrated(1, 256)
+    assert costs[0] == pytest.approx(0.006)  # index 0: plain decoding
+
+
+def test_plain_steps_are_timed_through_the_decoding_loop(trained_llama, calibration_folder):
+    """The pipelined plain step is measured and priced at a share of N = 1."""
+    from mlx_redrafter.calibrate import _plain_step
+
+    model = trained_llama[0]
+    assert 0.0 < _plain_step(model, 32, repeats=1) < 1.0
+    calibration, _ = cached_calibration(model)
+    assert 0.0 < calibration.plain_share <= 1.0
+    assert "plain decoding:" in format_calibration(calibration)
+
+
 def test_without_a_drafter_the_candidates_are_lookup_trees_and_plain():
     trees = candidate_trees(has_drafter=False).trees
     assert PLAIN_DECODING in trees
@@ -363,16 +386,38 @@ def test_calibration_is_cached_and_measured_again_when_a_key_changes(
     assert "drafter W=1" in format_calibration(first)
     again, measured = cached_calibration(model, drafter)
     assert not measured and again == first
-    # Another device, another MLX version, no drafter: each measures again.
+    # Another device, another MLX version, other engine code, no drafter: each
+    # measures again.
     monkeypatch.setattr(calibrate_module, "device_name", lambda: "gpu:Apple M9")
     _, measured = cached_calibration(model, drafter)
     assert measured
     monkeypatch.setattr(calibrate_module.mx, "__version__", "99.0", raising=False)
     _, measured = cached_calibration(model, drafter)
     assert measured
+    monkeypatch.setattr(calibrate_module, "engine_digest", lambda: "0123456789abcdef")
+    _, measured = cached_calibration(model, drafter)
+    assert measured
     _, measured = cached_calibration(model, None)
     assert measured
-    assert len(list(calibration_folder.glob("*.json"))) == 4
+    assert len(list(calibration_folder.glob("*.json"))) == 5
+
+
+def test_the_engine_digest_changes_with_the_engine_code(tmp_path, monkeypatch):
+    """The calibration key's engine digest covers the package's modules: an edited
+    module gives another digest."""
+    package = tmp_path / "pkg"
+    (package / "kernels").mkdir(parents=True)
+    (package / "target.py").write_text("x = 1\n")
+    (package / "kernels" / "metal.py").write_text("y = 1\n")
+    monkeypatch.setattr(calibrate_module, "__file__", str(package / "calibrate.py"))
+    calibrate_module.engine_digest.cache_clear()
+    try:
+        before = calibrate_module.engine_digest()
+        calibrate_module.engine_digest.cache_clear()
+        (package / "kernels" / "metal.py").write_text("y = 2\n")
+        assert calibrate_module.engine_digest() != before
+    finally:
+        calibrate_module.engine_digest.cache_clear()
 
 
 def test_new_weights_or_a_broken_file_measure_again(calibration_folder):

@@ -15,6 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from subprocess import PIPE
 
@@ -30,7 +33,7 @@ MAX_TOKENS = 24
 TREES = {"plain": "1x1", "lookup": "0x1+2x4", "beams": "2x3+1x4", "auto": "auto"}
 
 
-def _worker(mode: str, out: Path) -> None:
+def _worker(mode: str, family: str, out: Path) -> None:
     from conftest import decode_tokens, mlx_lm_greedy, random_prompts
     from mlx_lm.generate import generation_stream
     from tiny_models import tiny_model
@@ -42,9 +45,9 @@ def _worker(mode: str, out: Path) -> None:
 
     group = mx.distributed.init()
     prompts = random_prompts(3, seed=5)
-    whole = tiny_model("qwen2")
+    whole = tiny_model(family)
     alone = [mlx_lm_greedy(whole, p, MAX_TOKENS) for p in prompts]
-    model = shard_model(tiny_model("qwen2"), mode, group)
+    model = shard_model(tiny_model(family), mode, group)
     mx.eval(model.parameters())
     sharded = [mlx_lm_greedy(model, p, MAX_TOKENS) for p in prompts]
     # mlx-lm leaves its last forward in flight on its stream: let it finish before
@@ -86,7 +89,7 @@ def _bench_worker(folder: Path, out: Path) -> None:
     (out / f"rank{mx.distributed.init().rank()}.json").write_text(json.dumps(rates))
 
 
-def _model_folder(folder: Path, family: str) -> Path:
+def _model_folder(folder: Path, family: str, eos: str = "w20") -> Path:
     """A tiny model folder of `family` that `mlx_redrafter.load` opens."""
     import mlx_lm.utils
     from tiny_models import _COMMON, FAMILY_CONFIGS, tiny_model, tiny_tokenizer
@@ -94,7 +97,7 @@ def _model_folder(folder: Path, family: str) -> Path:
     folder.mkdir(parents=True)
     mlx_lm.utils.save_model(folder, tiny_model(family))
     mlx_lm.utils.save_config({**_COMMON, **FAMILY_CONFIGS[family]}, folder / "config.json")
-    tiny_tokenizer(eos_token="w20")._tokenizer.save_pretrained(str(folder))
+    tiny_tokenizer(eos_token=eos)._tokenizer.save_pretrained(str(folder))
     return folder
 
 
@@ -135,9 +138,14 @@ LAUNCHER = shutil.which(
 
 
 @pytest.mark.skipif(LAUNCHER is None, reason="mlx.launch is not installed")
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_two_ranks_decode_like_one_process_and_mlx_lm_sharded(mode, tmp_path):
-    result = _launch([sys.executable, str(Path(__file__).resolve()), mode, str(tmp_path)], tmp_path)
+@pytest.mark.parametrize(
+    ("mode", "family"), [("tensor", "qwen2"), ("pipeline", "qwen2"), ("pipeline", "llama")]
+)
+def test_two_ranks_decode_like_one_process_and_mlx_lm_sharded(mode, family, tmp_path):
+    """qwen2 through mlx-lm's own tensor and pipeline sharding; llama through this
+    package's pipeline stages (mlx-lm's plain decoding runs on them as on its own)."""
+    script = [sys.executable, str(Path(__file__).resolve()), mode, family, str(tmp_path)]
+    result = _launch(script, tmp_path)
     # mlx.launch exits 0 even when a rank fails, so check the ranks' outputs too.
     assert result.returncode == 0, result.stderr[-3000:]
     reports = []
@@ -166,8 +174,9 @@ class PairGroup:
 
 
 @pytest.mark.skipif(LAUNCHER is None, reason="mlx.launch is not installed")
-def test_bench_on_a_tensor_sharded_model_folder(tmp_path):
-    """`mlx-redrafter bench --shard tensor` under mlx.launch: load(shard=) from a folder,
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_bench_on_a_sharded_llama_folder(mode, tmp_path):
+    """`mlx-redrafter bench --shard MODE` under mlx.launch: load(shard=) from a folder,
     every method (mlx-lm's, plain, the auto tree and a lookup tree) on the sharded
     model, greedy output identical to mlx-lm's; rank 0 alone writes the result."""
     model = _model_folder(tmp_path / "model", "llama")
@@ -181,7 +190,7 @@ def test_bench_on_a_tensor_sharded_model_folder(tmp_path):
     cli = [sys.executable, "-m", "mlx_redrafter.cli", "bench", "--model", str(model)]
     cli += ["--prompts", str(prompts), "--max-tokens", "12", "--tree", "auto,0x1+1x4"]
     cli += ["--profile-prompts", "0", "--no-plots", "--no-unpacked", "--out", str(out)]
-    result = _launch([*cli, "--shard", "tensor"], tmp_path)
+    result = _launch([*cli, "--shard", mode], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "bench.json").is_file(), result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "bench.json").read_text())["summary"]
@@ -205,6 +214,82 @@ def test_benchmark_methods_on_a_pipeline_sharded_model_folder(tmp_path):
         assert len(rates) == 4 and set(rates.values()) == {1.0}, rates
 
 
+@pytest.mark.skipif(LAUNCHER is None, reason="mlx.launch is not installed")
+def test_serve_on_a_pipeline_sharded_llama(tmp_path):
+    """`mlx-redrafter serve --shard pipeline` under mlx.launch: rank 0 serves, rank 1
+    decodes in step. Concurrent greedy replies equal one process's decoding of the
+    whole model, and a client that leaves mid-stream frees its row on both ranks (a
+    later reply is still right, so the ranks never diverged)."""
+    from mlx_redrafter import generate, load
+
+    folder = _model_folder(tmp_path / "model", "llama", eos="w63")
+    model, _, tokenizer = load(folder)
+    # Prompts whose replies run long (no end-of-sequence token early): the comparisons
+    # span whole replies, and the dropped stream is still decoding when it is dropped.
+    candidates = [" ".join(f"w{(5 * i + j) % 60}" for j in range(7)) for i in range(40)]
+    replies = {p: generate(model, None, tokenizer, p, max_tokens=200) for p in candidates}
+    prompts = [p for p in candidates if len(tokenizer.encode(replies[p])) >= 150][:3]
+    assert len(prompts) == 3
+    expected = [generate(model, None, tokenizer, p, max_tokens=12) for p in prompts]
+    port = _free_port()
+    cli = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--model", str(folder)]
+    cli += ["--shard", "pipeline", "--port", str(port), "--max-tokens", "12"]
+    server = _start(cli, tmp_path)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        _wait_for(url.replace("completions", "models"), server)
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda p: _complete(url, p, 12), prompts[:2]))
+        assert replies == expected[:2]
+        _leave_mid_stream(url, prompts[2])
+        assert _complete(url, prompts[2], 12) == expected[2]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        _, errors = server.communicate(timeout=60)
+    assert "pipeline-sharded over 2 ranks (rank 0)" in errors, errors[-3000:]
+
+
+def _start(arguments: list[str], tmp_path: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "MLX_REDRAFTER_CACHE": str(tmp_path / "cache")}
+    command = [str(LAUNCHER), "--backend", "ring", "-n", "2", "--starting-port"]
+    command += [str(_free_port()), *arguments]
+    return subprocess.Popen(
+        command, env=env, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True
+    )
+
+
+def _wait_for(url: str, process: subprocess.Popen[str], seconds: float = 180) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(url):
+                return
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                os.killpg(process.pid, signal.SIGKILL)
+                pytest.fail(f"the server did not start\n{process.communicate()[1][-3000:]}")
+            time.sleep(0.3)
+
+
+def _complete(url: str, prompt: str, max_tokens: int) -> str:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return str(json.load(response)["choices"][0]["text"])
+
+
+def _leave_mid_stream(url: str, prompt: str) -> None:
+    """A streamed request for many tokens that the client drops after its first chunk."""
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.readline().startswith(b"data: ")
+
+
 def test_a_family_that_cannot_shard_is_named():
     from tiny_models import tiny_model
 
@@ -213,8 +298,11 @@ def test_a_family_that_cannot_shard_is_named():
     group = mx.distributed.init()
     with pytest.raises(ShardingError, match="'gemma3_text' cannot be tensor-sharded"):
         shard_model(tiny_model("gemma3_text"), "tensor", group)
-    with pytest.raises(ShardingError, match="'llama' cannot be pipeline-sharded"):
-        shard_model(tiny_model("llama"), "pipeline", group)
+    with pytest.raises(ShardingError, match="'gemma3_text' cannot be pipeline-sharded"):
+        shard_model(tiny_model("gemma3_text"), "pipeline", group)
+    sliding = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    with pytest.raises(ShardingError, match="'llama' cannot be pipeline-sharded.*sliding window"):
+        shard_model(tiny_model("llama", num_hidden_layers=2, **sliding), "pipeline", group)
     with pytest.raises(ShardingError, match=r"9 attention and 3 key/value heads.*\(3\)"):
         # As SmolLM2-135M: its heads split over 3 ranks, not 2 (a group of 2 is faked).
         shard_model(
@@ -232,4 +320,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "bench":
         _bench_worker(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        _worker(sys.argv[1], Path(sys.argv[2]))
+        _worker(sys.argv[1], sys.argv[2], Path(sys.argv[3]))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import DEFAULT_TREE
+from ..distributed import SHARD_MODES, is_main_process, sharding_label
 from ..policy import SpeedGuard, TreePolicy
 from .common import load_from_args
 from .generate import add_model_arguments
@@ -50,6 +51,13 @@ def register(commands: Any) -> None:
         "times as it runs and decodes plainly where the tree does not pay",
     )
     add_capacity_arguments(serve)
+    serve.add_argument(
+        "--shard",
+        choices=SHARD_MODES,
+        help="under mlx.launch: split the model across the ranks (tensor or pipeline "
+        "parallel); rank 0 serves, the other ranks decode in step with it, and the "
+        "prefix cache is off",
+    )
     serve.add_argument("--seed", type=int, default=None, help="seed of the sampling stream")
     serve.set_defaults(run=run)
 
@@ -143,6 +151,7 @@ def capacity_batcher(
     from mlx_redrafter.apps.batcher import Batcher
     from mlx_redrafter.prompt_cache import PrefixStore
 
+    prefix_cache = args.prompt_cache_mb and getattr(args, "shard", None) is None
     batcher = Batcher(
         model,
         drafter,
@@ -152,7 +161,7 @@ def capacity_batcher(
         seed=args.seed,
         guard=guard,
         max_queue=args.max_queue,
-        prefixes=PrefixStore(args.prompt_cache_mb << 20) if args.prompt_cache_mb else None,
+        prefixes=PrefixStore(args.prompt_cache_mb << 20) if prefix_cache else None,
         prefill_chunk=chunk_for_latency(model, drafter, args.prefill_latency),
     )
     batcher.warm_up()
@@ -186,11 +195,23 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefill-latency must be >= 0 seconds, got {args.prefill_latency}")
     if args.prompt_cache_mb < 0:
         raise ValueError(f"--prompt-cache-mb must be >= 0, got {args.prompt_cache_mb}")
+    if not is_main_process():  # sharded: this rank decodes what rank 0 serves
+        return _follow(args, policy, auto)
     listener = bind(args.host, args.port)
     try:
         return _serve(args, listener, policy, auto)
     finally:
         listener.close()
+
+
+def _follow(args: argparse.Namespace, policy: TreePolicy | str, auto: bool) -> int:
+    """A rank other than 0 of a sharded server: the same model and batcher as rank 0,
+    which decode each of rank 0's steps with it, until rank 0 stops."""
+    model, drafter, tokenizer = load_from_args(args)
+    guard = None if args.fixed_tree or auto else SpeedGuard()
+    batcher = capacity_batcher(args, model, drafter, tokenizer, policy, guard)
+    batcher.wait()
+    return 0
 
 
 def _serve(
@@ -212,6 +233,8 @@ def _serve(
         mode += "; plain where the tree measurably does not pay"
     if chunk is not None:
         mode += f"; new prompts prefilled {chunk} tokens per step"
+    if batcher.group is not None:
+        mode += f"; {sharding_label(model)}"
     port = listener.getsockname()[1]
     print(
         f"serving {model_id} ({mode}) on http://{args.host}:{port}/  "
