@@ -201,6 +201,13 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     errors: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    seconds: float = 0.0  # wall-clock of the rounds added into this run (`add`)
+
+    def add(self, other: Run, seconds: float) -> None:
+        """Count another round's requests and wall-clock into this run."""
+        self.samples += other.samples
+        self.errors += other.errors
+        self.seconds += seconds
 
 
 def stream_chat(host: str, port: int, body: dict[str, Any], timeout: float) -> Sample:
@@ -349,7 +356,7 @@ def interleaved_rounds(
     number of clients, over all its repeats."""
     rows, offset = [], 0
     for clients in (int(c) for c in args.clients.split(",")):
-        runs = {server.name: (Run(), [0.0]) for server in servers}
+        runs = {server.name: Run() for server in servers}
         for repeat in range(args.repeats):
             turn = repeat % len(servers)
             for server in servers[turn:] + servers[:turn]:
@@ -362,17 +369,14 @@ def interleaved_rounds(
                     deadline,
                     offset,
                 )
-                total, walls = runs[server.name]
-                total.samples += run.samples
-                total.errors += run.errors
-                walls[0] += wall
+                runs[server.name].add(run, wall)
             offset += clients * args.requests
         for server in servers:
-            total, walls = runs[server.name]
+            total = runs[server.name]
             if not total.samples:
                 print(f"| {server.name} | {clients} | 0 | (time limit reached) | | | |")
                 continue
-            rows.append(summarize(server.name, clients, total, walls[0]))
+            rows.append(summarize(server.name, clients, total, total.seconds))
             print(table_row(rows[-1]), flush=True)
     return rows
 

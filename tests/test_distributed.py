@@ -290,6 +290,21 @@ def _leave_mid_stream(url: str, prompt: str) -> None:
         assert response.readline().startswith(b"data: ")
 
 
+def test_an_agenda_reaches_the_other_ranks_whole():
+    """What rank 0 sends before a step decodes to the same requests on another rank
+    (their updates go nowhere there)."""
+    from mlx_redrafter.apps.batcher import Agenda, Job
+
+    from mlx_redrafter.config import SamplingConfig
+
+    job = Job([5, 6, 7], print, SamplingConfig(0.7, 0.9, 20), 33, ("\n\n",), 4, 2, id=11)
+    agenda = Agenda([job], cancelled=[3, 9], closed=False)
+    received = Agenda.decode(agenda.encode())
+    assert [j.spec() for j in received.jobs] == [job.spec()]
+    assert received.jobs[0].sampling == job.sampling and received.jobs[0].stop == ("\n\n",)
+    assert (received.cancelled, received.closed) == ([3, 9], False)
+
+
 def test_a_family_that_cannot_shard_is_named():
     from tiny_models import tiny_model
 
