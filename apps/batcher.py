@@ -97,12 +97,18 @@ class Agenda:
     closed: bool
 
     def encode(self) -> bytes:
+        """JSON; b"" when there is nothing to do (most steps), which `leader_bytes`
+        sends with a single collective."""
+        if not (self.jobs or self.cancelled or self.closed):
+            return b""
         specs = [job.spec() for job in self.jobs]
         fields = {"jobs": specs, "cancelled": self.cancelled, "closed": self.closed}
         return json.dumps(fields).encode()
 
     @classmethod
     def decode(cls, payload: bytes) -> Agenda:
+        if not payload:
+            return cls([], [], closed=False)
         fields = json.loads(payload)
         jobs = [Job.from_spec(spec) for spec in fields["jobs"]]
         return cls(jobs, fields["cancelled"], fields["closed"])

@@ -250,7 +250,7 @@ def step_seconds(
     draft = calibration.draft_seconds(batch_size * candidates.width, candidates.length)
     lookup = np.where(candidates.branches > 0, calibration.lookup, 0.0)
     sample = calibration.sample * packed if sampled else 0.0
-    plain = (candidates.packed == 1) & (candidates.branches == 0)
+    plain = candidates.packed == 1  # the root alone: plain decoding
     verify = np.where(plain, calibration.plain_share * verify, verify)  # pipelined
     return verify + draft + lookup + sample
 

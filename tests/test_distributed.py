@@ -303,6 +303,9 @@ def test_an_agenda_reaches_the_other_ranks_whole():
     assert [j.spec() for j in received.jobs] == [job.spec()]
     assert received.jobs[0].sampling == job.sampling and received.jobs[0].stop == ("\n\n",)
     assert (received.cancelled, received.closed) == ([3, 9], False)
+    # Most steps have nothing to do: nothing to send beyond a zero length.
+    assert Agenda([], [], closed=False).encode() == b""
+    assert Agenda.decode(b"") == Agenda([], [], closed=False)
 
 
 def test_a_family_that_cannot_shard_is_named():

@@ -207,11 +207,17 @@ def run(args: argparse.Namespace) -> int:
 def _follow(args: argparse.Namespace, policy: TreePolicy | str, auto: bool) -> int:
     """A rank other than 0 of a sharded server: the same model and batcher as rank 0,
     which decode each of rank 0's steps with it, until rank 0 stops."""
-    model, drafter, tokenizer = load_from_args(args)
-    guard = None if args.fixed_tree or auto else SpeedGuard()
-    batcher = capacity_batcher(args, model, drafter, tokenizer, policy, guard)
+    batcher = _loaded_batcher(args, policy, auto)
     batcher.wait()
     return 0
+
+
+def _loaded_batcher(args: argparse.Namespace, policy: TreePolicy | str, auto: bool) -> Any:
+    """The model of `args`, loaded, in the server's batcher (a speed guard with a fixed
+    tree or policy unless --fixed-tree; the auto tree guards itself)."""
+    model, drafter, tokenizer = load_from_args(args)
+    guard = None if args.fixed_tree or auto else SpeedGuard()
+    return capacity_batcher(args, model, drafter, tokenizer, policy, guard)
 
 
 def _serve(
@@ -221,15 +227,14 @@ def _serve(
 
     from mlx_redrafter.apps.server import Server, create_app
 
-    model, drafter, tokenizer = load_from_args(args)
-    guard = None if args.fixed_tree or auto else SpeedGuard()
-    batcher = capacity_batcher(args, model, drafter, tokenizer, policy, guard)
+    batcher = _loaded_batcher(args, policy, auto)
+    model, guarded = batcher.model, not (args.fixed_tree or auto)
     chunk = batcher.session.prefill_chunk
     model_id, aliases = model_names(args.model)
     app = create_app(Server(batcher, model_id, aliases, default_max_tokens=args.max_tokens))
     speculates = batcher.session.speculates
     mode = f"ReDrafter, {batcher.session.describe()}" if speculates else "plain decoding"
-    if speculates and guard is not None:
+    if speculates and guarded:
         mode += "; plain where the tree measurably does not pay"
     if chunk is not None:
         mode += f"; new prompts prefilled {chunk} tokens per step"
