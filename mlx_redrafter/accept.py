@@ -44,6 +44,12 @@ class Acceptance(NamedTuple):
     runs: mx.array
 
 
+def runs_of(match: mx.array) -> mx.array:
+    """(..., K) whether each drafted token matched the target's choice -> (...) how
+    many matched before the first miss: what a candidate has accepted."""
+    return mx.sum(mx.cumprod(match.astype(mx.int32), axis=-1), axis=-1)
+
+
 def accept(beams: mx.array, unpack: mx.array, canonical: mx.array, choices: mx.array) -> Acceptance:
     """Accept the longest drafted prefix that the target's choices agree with.
 
@@ -62,7 +68,7 @@ def accept(beams: mx.array, unpack: mx.array, canonical: mx.array, choices: mx.a
     # Drafted token k+1 is accepted when the target chose it after prefix k and its
     # own node was verified; a beam's run of acceptances stops at the first miss.
     match = (target_next[:, :, :-1] == beams[:, :, 1:]) & verified[:, :, 1:]  # (B, W, L-1)
-    run = mx.sum(mx.cumprod(match.astype(mx.int32), axis=-1), axis=-1)  # (B, W)
+    run = runs_of(match)  # (B, W)
     best = mx.argmax(run, axis=-1).astype(mx.int32)  # (B,) beams tied on run agree on it
     num_accepted = mx.take_along_axis(run, best[:, None], axis=-1)[:, 0].astype(mx.int32)
 

@@ -55,6 +55,22 @@ LOOKUP_PRIOR = AcceptanceTable(
     source="built-in prior: SmolLM2-135M-Instruct, 24 held-out prompts x 128 tokens, 0x1+4x10",
 )
 
+# The same, sampling at temperature 1.0 (`--no-drafter --temperature 1.0`, 2495
+# steps): the prior of sampled steps, mixed with the greedy one below that
+# temperature.
+LOOKUP_SAMPLED = AcceptanceTable(
+    lookup=(
+        (0.088, 0.029, 0.014, 0.008, 0.003, 0.003, 0.001, 0.001, 0.001),
+        (0.111, 0.041, 0.021, 0.012, 0.007, 0.006, 0.002, 0.002, 0.002),
+        (0.124, 0.048, 0.023, 0.014, 0.007, 0.006, 0.002, 0.002, 0.002),
+        (0.130, 0.051, 0.025, 0.016, 0.008, 0.006, 0.002, 0.002, 0.002),
+    ),
+    temperature=1.0,
+    steps=2495,
+    source="built-in prior: SmolLM2-135M-Instruct, 24 held-out prompts x 128 tokens, "
+    "temperature 1.0, 0x1+4x10",
+)
+
 # A drafter without a measured table: a modest guess that the running estimate
 # replaces within a few steps.
 DRAFTER_PRIOR = AcceptanceTable(
@@ -141,10 +157,23 @@ def _prior_rows(rows: Sequence[Sequence[float]], count: int, depth: int) -> np.n
     return np.clip(table, 0.0, 1.0)
 
 
-def prior_cube(table: AcceptanceTable, beams: int, branches: int, depth: int) -> np.ndarray:
+def prior_cube(
+    table: AcceptanceTable,
+    beams: int,
+    branches: int,
+    depth: int,
+    alone: Sequence[Sequence[float]] = (),
+) -> np.ndarray:
     """(beams + 1, branches + 1, D) survival of the best of the first k drafter beams
     and first g lookup branches: the table's joint measurement where it has one, else
-    the two kinds taken as independent ([0, 0] is zero: no candidate)."""
+    the two kinds taken as independent ([0, 0] is zero: no candidate).
+
+    alone: survival rows of lookup branches in trees without drafter beams, where they
+    cap the table's. A drafter's table measures its branches beside beams, where a
+    branch that finds no match in the text nor in the n-gram table copies the best
+    beam; without beams it repeats the root. The cap (the built-in prior, measured
+    without an n-gram table) undercounts the table's share, which hindsight checks
+    then find."""
     zero = np.zeros((1, depth))
     by_beam = np.concatenate([zero, _prior_rows(table.beams, beams, depth)])  # (Kw+1, D)
     by_branch = np.concatenate([zero, _prior_rows(table.lookup, branches, depth)])  # (Kg+1, D)
@@ -152,7 +181,25 @@ def prior_cube(table: AcceptanceTable, beams: int, branches: int, depth: int) ->
     for k, plane in enumerate(table.joint[: beams + 1]):
         for g, row in enumerate(plane[: branches + 1]):
             cube[k, g, : len(row)] = row[:depth]
+    if alone:  # (Kg, D) lookup branches without beams
+        cube[0, 1:] = np.minimum(cube[0, 1:], _prior_rows(alone, branches, depth))
     return cube
+
+
+def _cube(table: AcceptanceTable, kinds: tuple[int, int], builtin: AcceptanceTable) -> np.ndarray:
+    """The prior cube of a drafter's (or the built-in) table for (Kw, Kg) candidates:
+    lookup rows from `builtin` (measured at the same temperature) where the table has
+    none, and capped by them for branches alone."""
+    if not table.lookup:
+        table = replace(table, lookup=builtin.lookup)
+    alone = builtin.lookup if table.beams else ()
+    return prior_cube(table, kinds[0], kinds[1], DEPTH, alone)
+
+
+def rates(survival: np.ndarray) -> np.ndarray:
+    """(..., D) survival -> (..., D) the rate of accepting token d given d - 1."""
+    before = np.concatenate([np.ones_like(survival[..., :1]), survival[..., :-1]], axis=-1)
+    return np.where(before > 0, survival / np.maximum(before, 1e-9), 0.0)
 
 
 class AcceptanceEstimate:
@@ -164,9 +211,8 @@ class AcceptanceEstimate:
     prior: (Kw + 1, Kg + 1, D) survival (`prior_cube`).
     """
 
-    def __init__(self, prior: np.ndarray, strength: float = 2.0, decay: float = 0.99):
-        before = np.concatenate([np.ones_like(prior[..., :1]), prior[..., :-1]], axis=-1)
-        self.prior_rate = np.where(before > 0, prior / np.maximum(before, 1e-9), 0.0)
+    def __init__(self, prior: np.ndarray, strength: float = 8.0, decay: float = 0.995):
+        self.prior_rate = rates(prior)
         self.strength, self.decay = strength, decay
         self.reached: np.ndarray = np.zeros(prior.shape)
         self.passed: np.ndarray = np.zeros(prior.shape)
@@ -201,8 +247,9 @@ class AcceptanceEstimate:
         self.reached[: w + 1, : g + 1] += np.sum(alive, axis=0) * seen
         self.passed[: w + 1, : g + 1] += np.sum(passed, axis=0) * seen
 
-    def survival(self) -> np.ndarray:
-        """(Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens).
+    def survival(self, prior_rate: np.ndarray | None = None) -> np.ndarray:
+        """(Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens),
+        from the counts and the prior's rates (`prior_rate`: others of that shape).
 
         The prior's rates are first scaled by how the observed steps compare with
         what the prior predicted for them, so that text where nothing is accepted
@@ -211,11 +258,12 @@ class AcceptanceEstimate:
         theirs, lookup branches alone (k = 0) by theirs, so that lookup branches
         checked in hindsight neither hold back nor raise the drafter's estimate."""
         weight = self.strength
-        scale = np.ones(self.prior_rate.shape[0])  # (Kw + 1,)
+        prior_rate = self.prior_rate if prior_rate is None else prior_rate
+        scale = np.ones(prior_rate.shape[0])  # (Kw + 1,)
         for rows in (slice(0, 1), slice(1, None)):
-            predicted = float(np.sum(self.reached[rows] * self.prior_rate[rows]))
+            predicted = float(np.sum(self.reached[rows] * prior_rate[rows]))
             scale[rows] = (float(np.sum(self.passed[rows])) + weight) / (predicted + weight)
-        prior = np.clip(self.prior_rate * scale[:, None, None], 0.0, 1.0)
+        prior = np.clip(prior_rate * scale[:, None, None], 0.0, 1.0)
         rate = (self.passed + weight * prior) / (self.reached + weight)
         cube = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)
         cube[0, 0] = 0.0
@@ -292,20 +340,34 @@ class AutoTree:
         calibration: Calibration,
         candidates: Candidates,
         prior: AcceptanceTable,
+        sampled_prior: AcceptanceTable | None = None,
         *,
         every: int = 4,
         margin: float = 0.03,
     ):
         self.calibration, self.candidates = calibration, candidates
         kinds = (int(candidates.width.max()), int(candidates.branches.max()))
-        if not prior.lookup:
-            prior = replace(prior, lookup=LOOKUP_PRIOR.lookup)
-        cube = prior_cube(prior, kinds[0], kinds[1], DEPTH)
-        self.acceptance = AcceptanceEstimate(cube)
-        self._prior_tokens = expected_tokens(candidates, cube)  # (C,) for the probes
+        cube = _cube(prior, kinds, LOOKUP_PRIOR)
+        # A drafter without a table measured sampling: its beams as measured greedily,
+        # not trusted (below), and the built-in lookup rows measured sampling.
+        self._beams_measured = sampled_prior is not None or not prior.beams
+        if sampled_prior is None:
+            sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0)
+        sampled = _cube(sampled_prior, kinds, LOOKUP_SAMPLED)
+        self._cubes, self._sampled_at = (cube, sampled), sampled_prior.temperature
+        self._priors: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # share -> rates, tokens
+        # Running acceptance of greedy steps and, apart, of steps where some row
+        # samples: a sample accepts a drafted token less often than an argmax does.
+        self.estimates = (AcceptanceEstimate(cube), AcceptanceEstimate(sampled))
+        self._beam_evidence = 0.0  # drafter beams seen by sampled steps (row-steps)
         self.every, self.margin = every, margin
-        self.overhead = 0.0  # measured step time beyond the calibrated cost (seconds)
+        # Measured step time beyond the calibrated cost (seconds), for plain steps and
+        # for tree steps apart: a tree step's host work (packing, acceptance, the
+        # cache commit) is not a plain step's, which the calibration times whole.
+        self.overhead = np.zeros(2)  # (plain, trees)
+        self._plain = candidates.packed == 1  # (C,)
         self.current: dict[int, int] = {}  # batch size -> candidate index
+        self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
         self._costs: dict[tuple[int, int, bool], np.ndarray] = {}
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
@@ -317,7 +379,7 @@ class AutoTree:
             TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
         )
         self._probe = TreeConfig(min(PROBE_WIDTH, kinds[0]), PROBE_LENGTH) if kinds[0] else None
-        self._last = (1, 0, False)  # (batch size, context, sampled) of the last choice
+        self._last = (1, 0, 0.0)  # (batch size, context, temperature) of the last choice
 
     @classmethod
     def for_model(cls, model: nn.Module, drafter: Drafter | None, **options: float) -> AutoTree:
@@ -327,13 +389,15 @@ class AutoTree:
         calibration, _ = cached_calibration(model, drafter, announce=is_main_process())
         width = min(8, drafter.config.output_size) if drafter is not None else 0
         candidates = candidate_trees(drafter is not None, max_width=width)
-        prior = LOOKUP_PRIOR
+        prior: AcceptanceTable = LOOKUP_PRIOR
+        sampled: AcceptanceTable | None = LOOKUP_SAMPLED
         if drafter is not None:
-            prior = drafter.acceptance or DRAFTER_PRIOR
+            prior, sampled = drafter.acceptance or DRAFTER_PRIOR, drafter.sampled_acceptance
         return cls(
             calibration,
             candidates,
             prior,
+            sampled,
             **options,  # type: ignore[arg-type]
         )
 
@@ -345,9 +409,11 @@ class AutoTree:
         kinds = "lookup and drafter trees" if self.candidates.width.max() else "lookup trees"
         return f"auto (plain, {kinds} up to N={int(self.candidates.packed.max())})"
 
-    def calibrated(self, batch_size: int, context: int, sampled: bool = False) -> np.ndarray:
-        """(C,) step seconds of every candidate as the calibration predicts them."""
+    def calibrated(self, batch_size: int, context: int, temperature: float = 0.0) -> np.ndarray:
+        """(C,) step seconds of every candidate as the calibration predicts them
+        (`temperature` > 0: some row samples)."""
         band = max(64, 1 << max(context - 1, 1).bit_length())  # powers of two
+        sampled = temperature > 0
         key = (batch_size, band, sampled)
         if key not in self._costs:
             self._costs[key] = step_seconds(
@@ -355,26 +421,91 @@ class AutoTree:
             )
         return self._costs[key]
 
-    def costs(self, batch_size: int, context: int, sampled: bool = False) -> np.ndarray:
-        """(C,) expected step seconds: the calibrated cost plus the measured overhead,
-        times each tree's own measured correction once it has run."""
-        return (self.calibrated(batch_size, context, sampled) + self.overhead) * self.factor
+    def costs(self, batch_size: int, context: int, temperature: float = 0.0) -> np.ndarray:
+        """(C,) expected step seconds: the calibrated cost plus the measured overhead
+        of its kind (plain or tree steps), times each tree's own measured correction
+        once it has run."""
+        overhead = np.where(self._plain, self.overhead[0], self.overhead[1])  # (C,)
+        return (self.calibrated(batch_size, context, temperature) + overhead) * self.factor
 
-    def speeds(self, batch_size: int, context: int, sampled: bool = False) -> np.ndarray:
-        """(C,) expected tokens per second of every candidate."""
-        tokens = expected_tokens(self.candidates, self.acceptance.survival())
-        return batch_size * tokens / self.costs(batch_size, context, sampled)
+    def speeds(self, batch_size: int, context: int, temperature: float = 0.0) -> np.ndarray:
+        """(C,) expected tokens per second of every candidate, for rows sampling at
+        up to `temperature` (0: greedy)."""
+        sampled = int(temperature > 0)
+        rate, _ = self.prior(temperature)
+        tokens = expected_tokens(self.candidates, self.estimates[sampled].survival(rate))
+        speeds = batch_size * tokens / self.costs(batch_size, context, temperature)
+        if self._beams_untrusted(temperature):
+            speeds = np.where(self.candidates.width > 0, 0.0, speeds)
+        return speeds
 
-    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
-        age = self._age.get(batch_size, 0)
+    def prior(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """The prior of steps at `temperature`: its rates (Kw + 1, Kg + 1, D) and the
+        expected tokens (C,) of every candidate. Greedy steps take the greedy table,
+        steps at or above the sampled table's temperature that table, and steps in
+        between the two mixed, the sampled one's share growing with the square of
+        the temperature: a sample is mostly the argmax at low temperatures, so
+        acceptance falls slowly there and faster towards the table's (at 0.7 of
+        it: 51 % greedy, 49 % sampled)."""
+        share = round(min(max(temperature, 0.0) / self._sampled_at, 1.0) ** 2, 2)
+        if share not in self._priors:
+            greedy, sampled = self._cubes
+            mixed = (1 - share) * greedy + share * sampled  # (Kw + 1, Kg + 1, D)
+            self._priors[share] = (rates(mixed), expected_tokens(self.candidates, mixed))
+        return self._priors[share]
+
+    def _beams_untrusted(self, temperature: float) -> bool:
+        """Whether steps at `temperature` have no prior for the drafter's beams they
+        can trust: sampled steps of a drafter without a table measured sampling,
+        until they have seen its beams in `strength` row-steps (probes, verified
+        steps); until then they decode without drafter beams."""
+        if temperature <= 0 or self._beams_measured:
+            return False
+        return self._beam_evidence < self.estimates[1].strength
+
+    @property
+    def acceptance(self) -> AcceptanceEstimate:
+        """The running estimate of the steps being decoded (greedy or sampled)."""
+        return self.estimates[int(self._last[2] > 0)]
+
+    def _observe(
+        self, beam_runs: np.ndarray, branch_runs: np.ndarray, length: int, branch_length: int
+    ) -> None:
+        self.acceptance.observe(beam_runs, branch_runs, length, branch_length)
+        if self._last[2] > 0 and beam_runs.size:
+            self._beam_evidence += beam_runs.shape[0]
+
+    def switch_seconds(self, batch_size: int, context: int, temperature: float = 0.0) -> float:
+        """Seconds a stint of trees costs plain decoding beyond its steps: the plain
+        step before it and the one after it run unpipelined, each paying the whole
+        forward rather than `plain_share` of it (the forward's cost alone: the host's
+        work is not pipelined away either way)."""
+        plain = float(self.calibrated(batch_size, context, temperature)[0])  # pipelined
+        share = self.calibration.plain_share
+        return 2.0 * plain * (1.0 / share - 1.0) if share > 0 else 0.0
+
+    def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
+        """The tree of the next step for `batch_size` rows at `context` tokens, the
+        highest sampling temperature among them `temperature` (0: greedy). The
+        choice is made again every `every` steps, or at once for a batch size not seen
+        yet; the tree last chosen for any batch size (at first plain decoding) is the
+        incumbent. Leaving plain decoding pays for its switch (`switch_seconds`,
+        spread over the `every` steps a tree runs at least), and any new tree must
+        promise `margin` more speed than the incumbent."""
+        self._last = (batch_size, context, temperature)
         current = self.current.get(batch_size)
-        self._last = (batch_size, context, sampled)
+        age = self._age.get(batch_size, self.every)
         if current is None or age >= self.every:
-            speeds = self.speeds(batch_size, context, sampled)
+            incumbent = self._latest if current is None else current
+            speeds = self.speeds(batch_size, context, temperature)
+            if incumbent == 0:  # plain decoding: a tree pays for the switch too
+                extra = self.switch_seconds(batch_size, context, temperature) / self.every
+                costs = self.costs(batch_size, context, temperature)
+                speeds[1:] *= costs[1:] / (costs[1:] + extra)
             best = int(np.argmax(speeds))
-            if current is None or speeds[best] > speeds[current] * (1 + self.margin):
-                current = best
+            current = best if speeds[best] > speeds[incumbent] * (1 + self.margin) else incumbent
             self.current[batch_size], age = current, 0
+        self._latest = current
         self._age[batch_size] = age + 1
         return self.candidates.trees[current]
 
@@ -389,18 +520,27 @@ class AutoTree:
 
     def probe(self, tree: TreeConfig) -> TreeConfig | None:
         """The drafter tree (W, L) to probe on a step of `tree` (`probes.py`), on the
-        steps `CheckSchedule` picks among those without drafter beams, only for greedy
-        steps, and only where some drafter tree could beat plain decoding with the
-        prior's acceptance on this machine's cost curve (so never where verification
-        cannot pay, as with 4-bit weights on a CPU). None on the other steps."""
+        steps `CheckSchedule` picks among those without drafter beams, and only where
+        some drafter tree could beat plain decoding with the prior's acceptance (at
+        the steps' temperature) on this machine's cost curve (so never where
+        verification cannot pay, as with 4-bit weights on a CPU, nor where sampling
+        leaves the drafter too little to guess). None on the other steps.
+
+        Sampled steps are probed too: the walk accepts a drafted token exactly when
+        the target's sample at its parent is that token, and the tokens decoded since
+        are those samples, so a probe's runs are distributed as a verified beam's.
+        Sampled steps without a prior they trust for the beams are probed on every
+        step they can be (one probe at a time) until they have seen enough."""
         if self._probe is None:
             return None
-        if not self._probe_due.due(tree.beam_width > 0 and tree.beam_length > 1):
+        batch_size, context, temperature = self._last
+        due = self._probe_due.due(tree.beam_width > 0 and tree.beam_length > 1)
+        if not (due or self._beams_untrusted(temperature)):
             return None
-        batch_size, context, sampled = self._last
-        if sampled:  # a sample rarely matches a beam: a probe tells little, costs a search
-            return None
-        speeds = batch_size * self._prior_tokens / self.costs(batch_size, context, sampled)
+        _, prior = self.prior(temperature)  # (C,) expected tokens by the prior
+        # On the cost curve alone: a tree overhead learned in a short stint must not
+        # keep the drafter from ever being probed again.
+        speeds = batch_size * prior / self.calibrated(batch_size, context, temperature)
         drafted = self.candidates.width > 0
         return self._probe if speeds[drafted].max(initial=0.0) > speeds[0] else None
 
@@ -408,13 +548,13 @@ class AutoTree:
         """Learn drafter acceptance from the runs (B, W) that a probe's beams would
         have had accepted."""
         none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no lookup branches
-        self.acceptance.observe(runs, none, probe_tree.beam_length, 1)
+        self._observe(runs, none, probe_tree.beam_length, 1)
 
     def record_hindsight(self, runs: np.ndarray, lookup_tree: TreeConfig) -> None:
         """Learn lookup acceptance from the runs (B, G) that the branches of
         `lookup_tree` would have had accepted (a row of -1: not checked)."""
         none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no drafter beams
-        self.acceptance.observe(none, runs, 1, lookup_tree.lookup_branch_length)
+        self._observe(none, runs, 1, lookup_tree.lookup_branch_length)
 
     def record(
         self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
@@ -424,16 +564,21 @@ class AutoTree:
         self.acceptance.fade()
         width = tree.beam_width if tree.beam_length > 1 else 0
         branches = runs[:, width : width + tree.lookup_branches]
-        self.acceptance.observe(
-            runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length
-        )
+        self._observe(runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length)
         index = self._index.get(tree)
         if index is not None:
-            sampled = self._last[2]  # the last choice's rows: this step's
-            predicted = float(self.calibrated(batch_size, context, sampled)[index])
+            temperature = self._last[2]  # the last choice's rows: this step's
+            predicted = float(self.calibrated(batch_size, context, temperature)[index])
             # The step's host work and anything else the calibration did not see ...
+            if self._plain[index]:
+                # A plain step that looked ahead launched the next one's forward, so
+                # its time can hold part of its neighbour's (the first of a stint
+                # long, the last short): only their average means something, so it
+                # is not clipped, and no plain factor is kept.
+                self.overhead[0] += 0.1 * (seconds - predicted - self.overhead[0])
+                return
             gap = max(seconds - predicted, -0.5 * predicted)
-            self.overhead += 0.1 * (gap - self.overhead)
+            self.overhead[1] += 0.1 * (gap - self.overhead[1])
             # ... and what this tree's steps cost beyond that.
-            ratio = min(max(seconds / (predicted + self.overhead), 0.5), 3.0)
+            ratio = min(max(seconds / (predicted + self.overhead[1]), 0.5), 3.0)
             self.factor[index] += 0.2 * (ratio - self.factor[index])

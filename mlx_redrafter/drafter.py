@@ -32,6 +32,14 @@ MODEL_TYPE = "recurrent_drafting_drafter"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ACCEPTANCE_FILE = "acceptance.json"  # measured acceptance per depth (`metrics.AcceptanceTable`)
+SAMPLED_ACCEPTANCE_FILE = "acceptance-sampled.json"  # the same, measured sampling
+
+
+def acceptance_file(temperature: float) -> str:
+    """Where a drafter keeps the acceptance table measured at `temperature`."""
+    return SAMPLED_ACCEPTANCE_FILE if temperature > 0 else ACCEPTANCE_FILE
+
+
 DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
@@ -147,7 +155,8 @@ class Drafter(nn.Module):
         self.config = config
         self.quantization: Quantization | None = None
         self.ngrams = ngrams
-        self.acceptance: AcceptanceTable | None = None
+        self.acceptance: AcceptanceTable | None = None  # measured greedily
+        self.sampled_acceptance: AcceptanceTable | None = None  # measured sampling
         d, e = config.hidden_size, config.exit_dim
         if config.rnn:
             self.rnn_u = nn.Linear(d, d, bias=True)
@@ -282,6 +291,11 @@ class Drafter(nn.Module):
         config = self.config.to_dict()
         if self.quantization is not None:
             config["quantization"] = asdict(self.quantization)
+        greedy, sampled = self.acceptance, self.sampled_acceptance
+        if (greedy is not None and greedy.temperature > 0) or (
+            sampled is not None and sampled.temperature == 0
+        ):
+            raise ValueError("drafter.acceptance must be measured greedily, sampled_acceptance not")
         weights = dict(tree_flatten(self.parameters()))
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -291,9 +305,10 @@ class Drafter(nn.Module):
             (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
             if self.ngrams is not None:
                 save_ngram_table(self.ngrams, staging)
-            if self.acceptance is not None:
-                text = json.dumps(self.acceptance.to_dict(), indent=1) + "\n"
-                (staging / ACCEPTANCE_FILE).write_text(text)
+            for table in (self.acceptance, self.sampled_acceptance):
+                if table is not None:
+                    text = json.dumps(table.to_dict(), indent=1) + "\n"
+                    (staging / acceptance_file(table.temperature)).write_text(text)
             if target.exists():
                 backup = target.with_name(f".{target.name}.old")
                 shutil.rmtree(backup, ignore_errors=True)
@@ -341,7 +356,7 @@ class Drafter(nn.Module):
             except NgramTableError as error:
                 raise DrafterError(str(error)) from None
         drafter = cls(config, cast(list[int], ids.tolist()) if ids is not None else None, ngrams)
-        drafter.acceptance = read_acceptance(folder)
+        drafter.acceptance, drafter.sampled_acceptance = read_acceptance_tables(folder)
         quantization = raw_config.get("quantization")
         if quantization:
             drafter.quantize(group_size=quantization["group_size"], bits=quantization["bits"])
@@ -399,9 +414,22 @@ def target_dimensions(model: nn.Module) -> tuple[int, int]:
     return int(hidden_size), int(vocab_size)
 
 
-def read_acceptance(folder: Path) -> AcceptanceTable | None:
-    """The drafter's measured acceptance table (`acceptance.json`), if it has one."""
-    path = folder / ACCEPTANCE_FILE
+def read_acceptance_tables(
+    folder: Path,
+) -> tuple[AcceptanceTable | None, AcceptanceTable | None]:
+    """The drafter's measured acceptance tables (greedy, sampled), each None where it
+    has none. Each table is taken by the temperature it records, whichever file holds
+    it (a folder whose only table was measured sampling, as `acceptance.json`,
+    still loads); where both files say the same, the file named for it wins."""
+    found = [read_acceptance(folder, name) for name in (ACCEPTANCE_FILE, SAMPLED_ACCEPTANCE_FILE)]
+    greedy = [t for t in found if t is not None and t.temperature == 0]
+    sampled = [t for t in reversed(found) if t is not None and t.temperature > 0]
+    return (greedy[0] if greedy else None), (sampled[0] if sampled else None)
+
+
+def read_acceptance(folder: Path, name: str = ACCEPTANCE_FILE) -> AcceptanceTable | None:
+    """One measured acceptance table of the drafter (`name`), if it has it."""
+    path = folder / name
     if not path.is_file():
         return None
     try:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from .accept import runs_of
+
 
 def lookup_branches(
     context: mx.array,
@@ -111,5 +113,4 @@ def hindsight_runs(
     steps = mx.arange(branch_length - 1, dtype=mx.int32)  # (Ll-1,)
     since = past[:, None] + steps[None, :]  # (B, Ll-1)
     actual = mx.take_along_axis(history, since, axis=1)  # (B, Ll-1) the tokens that came
-    matched = (branches[:, :, 1:] == actual[:, None, :]).astype(mx.int32)  # (B, G, Ll-1)
-    return mx.sum(mx.cumprod(matched, axis=-1), axis=-1)  # (B, G)
+    return runs_of(branches[:, :, 1:] == actual[:, None, :])  # (B, G)

@@ -123,8 +123,9 @@ class SpeedGuard:
 
 
 class TreeChoice(Protocol):
-    """What a session asks before each step and tells after it (`FixedTrees`,
-    `auto.AutoTree`). A choice may also learn lookup acceptance in hindsight, as the
+    """What a session asks before each step and tells after it, once the host's work
+    after it is known: at the next step, at an `add`, or when the batch ends
+    (`FixedTrees`, `auto.AutoTree`). A choice may also learn lookup acceptance in hindsight, as the
     auto tree does: `hindsight(tree) -> TreeConfig | None` names lookup branches to
     check after a step of `tree`, and `record_hindsight(runs, lookup_tree)` gets
     the runs (B, G) they would have had accepted (`lookup.hindsight_runs`); and
@@ -140,9 +141,9 @@ class TreeChoice(Protocol):
 
     def describe(self) -> str: ...
 
-    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
-        """The tree of the next step of `batch_size` rows at context length `context`
-        (`sampled`: some row samples)."""
+    def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
+        """The tree of the next step of `batch_size` rows at context length `context`,
+        `temperature` the highest sampling temperature among them (0: greedy)."""
         ...
 
     def record(
@@ -166,7 +167,7 @@ class FixedTrees:
     def describe(self) -> str:
         return self.policy.describe()
 
-    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+    def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         tree = self.policy.tree_for(batch_size)
         return self.guard.choose(tree, batch_size) if self.guard is not None else tree
 

@@ -32,7 +32,7 @@ def beam_runs(beams: np.ndarray, decoded: np.ndarray) -> np.ndarray:
     tokens decoded after the root -> (B, W) int64, 0..L-1.
     """
     match = beams[:, :, 1:] == decoded[:, None, :]  # (B, W, L-1)
-    return np.cumprod(match, axis=-1).sum(axis=-1).astype(np.int64)
+    return np.cumprod(match, axis=-1).sum(axis=-1).astype(np.int64)  # as `accept.runs_of`
 
 
 @dataclass

@@ -46,6 +46,7 @@ from .decode import (
     PhaseClock,
     Prefill,
     StepFunctions,
+    StepOutput,
     decode_step,
     plan_step,
     step_functions,
@@ -120,6 +121,19 @@ class Update:
     ) -> Update:
         """The last update of a request that ends without a step (cancelled, failed)."""
         return cls(request, "", [], 0, reason, RequestMetrics(prompt_tokens), error=error)
+
+
+@dataclass(frozen=True)
+class _TimedStep:
+    """A step the policy has not been told of yet: its tree, rows, seconds from launch
+    to its tokens on the host, runs (B, W + G), context, and when it ended."""
+
+    tree: TreeConfig
+    batch_size: int
+    seconds: float
+    runs: np.ndarray
+    context: int
+    ended: float
 
 
 def stop_config(tokenizer: Any, max_tokens: int, stop: Sequence[str] | str | None) -> StopConfig:
@@ -342,6 +356,7 @@ class DecodingSession:
         self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
         self._oldest_due = False  # the oldest prefill gets the next chunk
         self._probe: DraftProbe | None = None  # drafter beams waiting for their tokens
+        self._timed: _TimedStep | None = None  # the last step, until its host work is known
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------
@@ -381,6 +396,7 @@ class DecodingSession:
         """
         for request in requests:
             self._check(request)
+        self._settle_timing()  # before the prefill, which is not the last step's work
         if self.group is not None:  # sharded: every rank samples with rank 0's keys
             requests = [replace(r, key=agreed_key(r.key, self.group)) for r in requests]
         ids = [next(self._ids) for _ in requests] if ids is None else list(ids)
@@ -533,6 +549,7 @@ class DecodingSession:
         ]
         self._rows, self._unstarted, self.state, self._planned = {}, [], None, None
         self._prefilling = []
+        self._settle_timing(gap_counts=False)
         return updates
 
     # -- steps ----------------------------------------------------------------------
@@ -553,11 +570,12 @@ class DecodingSession:
             return planned[1]
         if self.state is None:
             return self.policy.choose(batch_size)
-        sampled = not all(rule.greedy for rule in self.state.sampling)
-        return self.policy.choose(batch_size, self.state.cache.frontier, sampled)
+        temperature = max(rule.temperature for rule in self.state.sampling)
+        return self.policy.choose(batch_size, self.state.cache.frontier, temperature)
 
     def step(self) -> list[Update]:
         """One step of every request in flight; one update per request."""
+        self._settle_timing()
         updates, self._unstarted = self._unstarted, []
         updates += self._cancelled()
         if self._prefilling:
@@ -584,13 +602,34 @@ class DecodingSession:
         # Sharded: rank 0's time on every rank, so every rank chooses the same next tree.
         seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
-        self.policy.record(used, batch_size, seconds, output.runs, state.cache.frontier)
+        stamp, frontier = time.perf_counter(), state.cache.frontier
+        self._timed = _TimedStep(used, batch_size, seconds, output.runs, frontier, stamp)
         record = getattr(self.policy, "record_hindsight", None)
         if hindsight is not None and record is not None:
             record(np.array(hindsight[0]), hindsight[1])
         self._follow_probe(row_ids, output.tokens)
         self._count(used, batch_size)
-        keep = []
+        keep = self._emit(state, output, used, seconds, asked, updates)
+        if not keep:
+            self.state = None
+            self._settle_timing(gap_counts=False)  # nothing follows it to overlap
+        elif len(keep) != batch_size:
+            state.select_rows(keep)
+        return updates
+
+    def _emit(
+        self,
+        state: DecodeState,
+        output: StepOutput,
+        used: TreeConfig,
+        seconds: float,
+        asked: list[int | None],
+        updates: list[Update],
+    ) -> list[int]:
+        """Append each row's update for a step to `updates` (its tokens and text, and
+        the logprobs it asked for); rows that end leave. Returns the batch positions
+        that stay."""
+        keep, batch_size = [], len(state.row_ids)
         for position, request_id in enumerate(list(state.row_ids)):
             row = self._rows[request_id]
             accepted = output.num_accepted[position]
@@ -610,11 +649,24 @@ class DecodingSession:
             else:
                 _hand_over(row.request.prefix, state, position)
                 del self._rows[request_id]
-        if not keep:
-            self.state = None
-        elif len(keep) != batch_size:
-            state.select_rows(keep)
-        return updates
+        return keep
+
+    def _settle_timing(self, gap_counts: bool = True) -> None:
+        """Tell the policy the last step's time: from its launch to the next step's
+        call, so that the host work between steps (each row's tokens and text, the
+        caller's own) counts, as it does in the loop's throughput. A plain step that
+        looked ahead overlaps that work with its next forward, a tree step cannot.
+        The gap does not count when it is longer than the step itself (a wait for
+        requests or for a user, not work), when a prefill or the end of the batch
+        follows (`gap_counts` False), or sharded (each rank would see another gap)."""
+        timed, self._timed = self._timed, None
+        if timed is None:
+            return
+        gap = time.perf_counter() - timed.ended
+        if not gap_counts or self.group is not None or not 0.0 <= gap <= timed.seconds:
+            gap = 0.0
+        seconds = timed.seconds + gap
+        self.policy.record(timed.tree, timed.batch_size, seconds, timed.runs, timed.context)
 
     def _hindsight(
         self, state: DecodeState, tree: TreeConfig

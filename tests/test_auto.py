@@ -16,6 +16,7 @@ from mlx_redrafter import calibrate as calibrate_module
 from mlx_redrafter.auto import (
     DRAFTER_PRIOR,
     LOOKUP_PRIOR,
+    LOOKUP_SAMPLED,
     AcceptanceEstimate,
     AutoTree,
     Candidates,
@@ -80,6 +81,54 @@ def test_a_moderate_curve_chooses_a_small_tree_and_batches_shrink_it():
     assert batched.num_packed < alone.num_packed
 
 
+def weakened(table: AcceptanceTable, factor: float) -> AcceptanceTable:
+    return replace(table, beams=tuple(tuple(p * factor for p in row) for row in table.beams))
+
+
+def test_leaving_plain_decoding_pays_for_its_switch():
+    """A tree that beats plain decoding by more than the margin, but not once the two
+    unpipelined plain steps around its stint are paid, is not taken from plain
+    decoding; the same tree already running is kept."""
+    curve = replace(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))), plain_share=0.8)
+    found = 0
+    for factor in np.linspace(0.2, 1.0, 81):
+        auto = auto_tree(curve, weakened(GOOD_DRAFTER, factor))
+        speeds, costs = auto.speeds(1, 0), auto.costs(1, 0)
+        extra = auto.switch_seconds(1, 0) / auto.every
+        assert extra == pytest.approx(2 * costs[0] * 0.25 / auto.every)
+        best = int(np.argmax(speeds))
+        paid = speeds[best] * costs[best] / (costs[best] + extra)
+        if not speeds[best] > 1.03 * speeds[0] > paid:
+            continue
+        found += 1
+        assert auto.choose(1) == PLAIN_DECODING
+        running = auto_tree(curve, weakened(GOOD_DRAFTER, factor))
+        running.current[1], running._latest = best, best
+        for _ in range(8):
+            assert running.choose(1) == auto.candidates.trees[best]
+    assert found >= 1
+
+
+def test_a_new_batch_size_is_chosen_for_at_once_from_the_running_tree():
+    bent = synthetic(lambda n: 0.010 * max(1.0, n / 16))
+    auto = auto_tree(bent)
+    alone = auto.choose(1)
+    batched = auto.choose(8)  # no wait of `every` steps for a new batch size
+    assert batched.num_packed < alone.num_packed
+    assert auto.choose(1) == alone  # each batch size keeps its own stint
+    # The incumbent for a new batch size is the tree chosen last: kept unless another
+    # promises the margin more.
+    auto = AutoTree(bent, candidate_trees(True), GOOD_DRAFTER, margin=0.1)
+    speeds = auto.speeds(4, 0)
+    best = int(np.argmax(speeds))
+    near = [i for i, v in enumerate(speeds) if i not in (0, best) and v * 1.1 > speeds[best]]
+    far = [i for i, v in enumerate(speeds) if i != 0 and v * 1.1 < speeds[best]]
+    for incumbent, kept in ((near[0], near[0]), (far[0], best)):
+        auto._latest = incumbent
+        auto.current.pop(4, None)
+        assert auto.choose(4) == auto.candidates.trees[kept]
+
+
 def test_pipelined_plain_steps_make_plain_decoding_cheaper_than_its_forward():
     """Plain steps overlap the host's work with the device's (`plain_share` of a
     one-token forward per step): a small tree that beats a plain step priced at its
@@ -126,6 +175,20 @@ def test_expected_tokens_from_the_joint_acceptance():
 
 
 # -- the running estimate ---------------------------------------------------------------
+
+
+def test_lookup_branches_alone_are_not_credited_with_the_drafters_beam():
+    """A drafter's table measures lookup branches beside beams (a branch without a
+    match copies the best beam); trees of branches alone start from the built-in
+    prior where it is lower, and trees with beams keep the table's joint cells."""
+    auto = auto_tree(synthetic(lambda n: 0.010), GOOD_DRAFTER)
+    cube = prior_cube(GOOD_DRAFTER, 8, 4, DEPTH)
+    capped = auto.acceptance.survival()
+    assert capped[0, 1, 0] == pytest.approx(min(0.2, LOOKUP_PRIOR.lookup[0][0]))
+    assert np.all(capped[0, 1:] <= cube[0, 1:] + 1e-9)
+    assert capped[1:] == pytest.approx(AcceptanceEstimate(cube).survival()[1:])
+    alone = AutoTree(synthetic(lambda n: 0.010), candidate_trees(False), LOOKUP_PRIOR)
+    assert alone.acceptance.survival()[0, 1, 0] == pytest.approx(LOOKUP_PRIOR.lookup[0][0])
 
 
 def test_the_estimate_follows_what_it_observes():
@@ -246,8 +309,8 @@ def test_drafter_acceptance_is_learned_from_probes_while_decoding_plainly():
 
 def test_probes_are_scheduled_and_never_drafted_where_verification_cannot_pay():
     """After 4 steps without drafter beams, then 8, then every 16 (a step with drafter
-    beams starts again from 4); none for sampled steps, nor on a cost curve where no
-    drafter tree can pay."""
+    beams starts again from 4), for sampled steps too once they have seen the drafter's
+    beams; none on a cost curve where no drafter tree can pay."""
     auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
     asked = [auto.probe(PLAIN_DECODING) for _ in range(44)]
     assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12, 28, 44]
@@ -255,12 +318,59 @@ def test_probes_are_scheduled_and_never_drafted_where_verification_cannot_pay():
     assert all(auto.probe(TreeConfig(1, 3)) is None for _ in range(8))
     asked = [auto.probe(TreeConfig(0, 1, lookup_branches=1, lookup_length=7)) for _ in range(4)]
     assert asked[3] == TreeConfig(2, 5)
+    # Sampled steps are probed at once until they have seen the drafter, then alike.
     sampling = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
-    sampling.choose(1, sampled=True)
-    assert all(sampling.probe(PLAIN_DECODING) is None for _ in range(100))
+    sampling.choose(1, temperature=1.0)
+    assert sampling.probe(PLAIN_DECODING) == TreeConfig(2, 5)
+    sampling.record_probe(np.ones((8, 2), dtype=int), TreeConfig(2, 5))  # 8 rows seen
+    asked = [sampling.probe(PLAIN_DECODING) for _ in range(12)]
+    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [3, 11]
     linear = auto_tree(synthetic(lambda n: 0.010 * n))  # verification costs N x one token
     assert all(linear.probe(PLAIN_DECODING) is None for _ in range(100))
     assert auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, False).probe(PLAIN_DECODING) is None
+
+
+def test_sampled_steps_trust_a_greedy_drafter_table_only_after_seeing_its_beams():
+    """A drafter without a table measured sampling: its sampled steps decode without
+    drafter beams until probes have shown them the beams in `strength` row-steps
+    (drafted at every chance until then), and learn from what they see; what they
+    see does not move the greedy estimate."""
+    for runs, drafts in (([[2, 1], [3, 0]], True), ([[0, 0], [0, 0]], False)):
+        auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+        assert auto.choose(1) != PLAIN_DECODING  # greedy: the prior makes a wide tree pay
+        greedy = auto.estimates[0].survival().copy()
+        for _ in range(4):  # 2 rows each: 8 row-steps, the prior's strength
+            tree = auto.choose(2, temperature=1.0)
+            assert not tree.beam_width or tree.beam_length == 1  # not trusted yet
+            probe = auto.probe(tree)  # at once, not after 4 steps
+            assert probe is not None
+            auto.record_probe(np.array(runs), probe)
+        tree = auto.choose(3, temperature=1.0)
+        assert (tree.beam_width >= 1 and tree.beam_length > 1) == drafts
+        assert auto.estimates[0].survival() == pytest.approx(greedy)
+        assert auto.estimates[1].reached[1:3, 0, 0].sum() == pytest.approx(16, rel=0.05)
+    measured = replace(GOOD_DRAFTER, temperature=1.0)  # a prior measured sampling: no wait
+    flat = AutoTree(synthetic(lambda n: 0.010), candidate_trees(True), GOOD_DRAFTER, measured)
+    assert flat.choose(1, temperature=1.0).beam_width
+
+
+def test_sampled_steps_start_from_the_table_measured_at_their_temperature():
+    """The drafter's table measured sampling (here at 1.0) is the sampled steps'
+    prior; below that temperature it is mixed with the greedy table in proportion."""
+    weak = replace(weakened(GOOD_DRAFTER, 0.3), temperature=1.0)
+    curve = synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1)))
+    auto = AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, weak)
+    assert auto.choose(1) != PLAIN_DECODING
+    assert auto.choose(2, temperature=1.0) == PLAIN_DECODING  # the weak table's view
+    # ... where no drafter tree can pay, so no probe is drafted either.
+    assert all(auto.probe(PLAIN_DECODING) is None for _ in range(40))
+    greedy, sampled = (prior_cube(t, 8, 4, DEPTH) for t in (GOOD_DRAFTER, weak))
+    at_one = auto.estimates[1].survival(auto.prior(1.0)[0])
+    assert at_one[1, 0, 0] == pytest.approx(sampled[1, 0, 0])
+    quarter = (3 * greedy[1, 0, 0] + sampled[1, 0, 0]) / 4  # at 0.5: a share of 0.5²
+    rate, _ = auto.prior(0.5)
+    assert auto.estimates[1].survival(rate)[1, 0, 0] == pytest.approx(quarter)
+    assert auto.estimates[0].survival()[1, 0, 0] == pytest.approx(greedy[1, 0, 0])
 
 
 def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
@@ -281,7 +391,14 @@ def test_measured_step_times_beyond_the_curve_count_as_overhead():
     tree = auto.choose(1)
     for _ in range(100):
         auto.record(tree, 1, 0.030, np.zeros((1, tree.num_branches), dtype=int), 0)
-    assert auto.overhead == pytest.approx(0.020, rel=0.05)
+    assert auto.overhead[1] == pytest.approx(0.020, rel=0.05)
+    assert auto.overhead[0] == 0.0  # a tree's host work is not charged to plain steps
+    # Plain steps that look ahead alternate long and short: their average counts.
+    for seconds in [0.022, 0.002] * 200:
+        auto.record(PLAIN_DECODING, 1, seconds, np.zeros((1, 0), dtype=int), 0)
+    assert auto.overhead[0] == pytest.approx(0.002, abs=0.001)
+    assert auto.factor[0] == 1.0
+    assert auto.overhead[1] == pytest.approx(0.020, rel=0.05)
 
 
 # -- sessions ----------------------------------------------------------------------------
@@ -488,18 +605,36 @@ def test_survival_of_runs():
     )
 
 
-def test_a_drafter_keeps_its_acceptance_table(trained_llama, tmp_path):
+def test_a_drafter_keeps_its_acceptance_table(trained_llama, tmp_path, calibration_folder):
     _, drafter, _ = trained_llama
     table = AcceptanceTable(beams=((0.5, 0.2),), lookup=((0.3,),), steps=10, source="test")
-    drafter.acceptance = table
+    sampled = replace(table, beams=((0.3, 0.1),), temperature=1.0)
+    drafter.acceptance, drafter.sampled_acceptance = table, sampled
     try:
         drafter.save(tmp_path / "d")
     finally:
-        drafter.acceptance = None
-    assert Drafter.load(tmp_path / "d").acceptance == table
-    (tmp_path / "d" / "acceptance.json").write_text('{"beams": [[1.5]]}')
-    with pytest.raises(DrafterError, match="not a valid acceptance table"):
-        Drafter.load(tmp_path / "d")
+        drafter.acceptance = drafter.sampled_acceptance = None
+    loaded = Drafter.load(tmp_path / "d")
+    assert (loaded.acceptance, loaded.sampled_acceptance) == (table, sampled)
+    auto = AutoTree.for_model(trained_llama[0], loaded)
+    rate, _ = auto.prior(1.0)  # the sampled steps' prior: the sampled table
+    assert auto.estimates[1].survival(rate)[1, 0, 0] == pytest.approx(0.3)
+    assert auto.estimates[0].survival()[1, 0, 0] == pytest.approx(0.5)
+    # A folder whose only table was measured sampling, kept as acceptance.json (as
+    # measure-acceptance --write once wrote it), still loads: as the sampled table.
+    folder = tmp_path / "d"
+    sampled_text = (folder / "acceptance-sampled.json").read_text()
+    (folder / "acceptance-sampled.json").unlink()
+    (folder / "acceptance.json").write_text(sampled_text)
+    loaded = Drafter.load(folder)
+    assert (loaded.acceptance, loaded.sampled_acceptance) == (None, sampled)
+    (folder / "acceptance.json").write_text('{"beams": [[1.5]]}')
+    with pytest.raises(DrafterError, match="acceptance.json is not a valid acceptance table"):
+        Drafter.load(folder)
+    loaded.acceptance = sampled  # measured sampling: not the greedy table
+    with pytest.raises(ValueError, match="measured greedily"):
+        loaded.save(tmp_path / "e")
+    assert not (tmp_path / "e").exists()
 
 
 def test_measured_acceptance_decays_with_depth_and_grows_with_width(trained_llama):
@@ -520,10 +655,22 @@ def test_measured_acceptance_decays_with_depth_and_grows_with_width(trained_llam
 
 
 def test_the_shipped_priors_are_valid_tables():
-    for prior in (LOOKUP_PRIOR, DRAFTER_PRIOR):
+    from mlx_redrafter.loading import DEFAULT_DRAFTER
+
+    shipped = Drafter.load(DEFAULT_DRAFTER)
+    tables = (LOOKUP_PRIOR, LOOKUP_SAMPLED, DRAFTER_PRIOR)
+    for prior in (*tables, shipped.acceptance, shipped.sampled_acceptance):
+        assert prior is not None
         assert AcceptanceTable.from_dict(prior.to_dict()) == prior
         for row in prior.beams + prior.lookup:
             assert list(row) == sorted(row, reverse=True)
+    # Sampling accepts less than greedy decoding, at every depth.
+    pairs = ((LOOKUP_PRIOR, LOOKUP_SAMPLED), (shipped.acceptance, shipped.sampled_acceptance))
+    for greedy, sampled in pairs:
+        assert greedy is not None and sampled is not None and sampled.temperature == 1.0
+        for kind in ("beams", "lookup"):
+            for low, high in zip(getattr(sampled, kind), getattr(greedy, kind)):
+                assert all(a < b for a, b in zip(low, high))
 
 
 def test_runs_of_the_acceptance_walk():

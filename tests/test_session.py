@@ -4,9 +4,11 @@ request ids, and its generation stream."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import mlx_lm_greedy
 
@@ -101,7 +103,7 @@ class _Alternating:
     def describe(self) -> str:
         return f"alternating {self.pattern}"
 
-    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+    def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         return self.tree if self.pattern[context % len(self.pattern)] == "t" else PLAIN_DECODING
 
     def record(self, tree, batch_size, seconds, runs, context) -> None:
@@ -279,3 +281,42 @@ def test_prefill_chunk_must_be_positive(trained_llama):
     model, drafter, _ = trained_llama
     with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
         DecodingSession(model, drafter, prefill_chunk=0)
+
+
+class TimedChoice(_Alternating):
+    """Records every step the session tells it of."""
+
+    def __init__(self, tree: TreeConfig, pattern: str):
+        super().__init__(tree, pattern)
+        self.recorded: list[tuple[TreeConfig, int, float]] = []
+
+    def record(self, tree, batch_size, seconds, runs, context) -> None:
+        self.recorded.append((tree, batch_size, seconds))
+
+
+def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
+    """The session tells its choice of each step once, at the next step (or an add, or
+    the end of the batch, or close), with the time from the step's launch to then: the
+    host's work between steps counts, a wait longer than the step does not."""
+    from mlx_redrafter import session as session_module
+
+    model, drafter, prompts = trained_llama
+    choice = TimedChoice(TreeConfig(2, 3), "pt")
+    session = DecodingSession(model, drafter, tree=choice)
+    updates = list(session.run([Request(p, stop=StopConfig(10)) for p in prompts[:2]]))
+    assert len(choice.recorded) == session.stats.steps  # the last step too, at the end
+    assert sum(u.finish_reason is not None for u in updates) == 2
+    # Host work after a step (here 50 ms) is that step's; a wait past it is not, nor
+    # anything before a prefill or the end of the batch.
+    runs = np.zeros((1, 0), dtype=np.int64)
+    for gap, counts, seconds in ((0.05, True, 0.15), (100.0, True, 0.1), (0.05, False, 0.1)):
+        ended = time.perf_counter() - gap
+        session._timed = session_module._TimedStep(PLAIN_DECODING, 1, 0.1, runs, 9, ended)
+        session._settle_timing(gap_counts=counts)
+        assert choice.recorded[-1][2] == pytest.approx(seconds, abs=0.01)
+    session.add([Request(prompts[2], stop=StopConfig(10))])
+    session.step()
+    session.step()
+    told = len(choice.recorded)
+    session.close()
+    assert len(choice.recorded) == told + 1  # close tells the pending step

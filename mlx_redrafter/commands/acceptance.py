@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..drafter import ACCEPTANCE_FILE
+from ..drafter import acceptance_file
 from ..files import write_json
 from ..prompts import encode_prompt, read_prompts
 from ..training.evaluate import ACCEPTANCE_TREE, measure_acceptance
@@ -23,7 +23,8 @@ def register(commands: Any) -> None:
         description="Decode prompts with a wide tree and print, per depth, the fraction of "
         "steps where the best of the first k drafter beams (and of the first k lookup "
         "branches) had that many drafted tokens accepted. --write stores it beside the "
-        "drafter (acceptance.json), where the auto tree starts from it.",
+        "drafter (acceptance.json; acceptance-sampled.json with --temperature above 0), "
+        "where the auto tree starts from it.",
     )
     add_model_arguments(parser)
     parser.add_argument("--prompts", required=True, help="JSONL prompts (held out from training)")
@@ -31,7 +32,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--tree", default=ACCEPTANCE_TREE.label, help="the measuring tree")
-    parser.add_argument("--write", action="store_true", help="write acceptance.json into --drafter")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write acceptance.json (acceptance-sampled.json when sampling) into --drafter",
+    )
     parser.set_defaults(run=run)
 
 
@@ -58,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(json.dumps(table.to_dict(), indent=1))
     if args.write:
-        path = Path(args.drafter) / ACCEPTANCE_FILE
+        path = Path(args.drafter) / acceptance_file(args.temperature)
         write_json(path, table.to_dict())
         print(f"wrote {path}", file=sys.stderr)
     return 0

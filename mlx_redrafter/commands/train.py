@@ -210,6 +210,7 @@ def _drafter(
         drafter = load_drafter(args.init_drafter)
         drafter.check_fits(model)
         drafter.acceptance = None  # measured for the old weights: measure the new ones again
+        drafter.sampled_acceptance = None
         return drafter
     vocab_ids = None
     if args.draft_vocab:

@@ -285,7 +285,7 @@ class _RecordRuns:
     def describe(self) -> str:
         return self.tree.label
 
-    def choose(self, batch_size: int, context: int = 0, sampled: bool = False) -> TreeConfig:
+    def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         return self.tree
 
     def record(
