@@ -102,6 +102,11 @@ class Candidates:
     branch_length: np.ndarray
     packed: np.ndarray
 
+    @property
+    def plain(self) -> np.ndarray:
+        """(C,) whether each candidate is plain decoding (the root alone)."""
+        return self.packed == 1
+
     @classmethod
     def of(cls, trees: Sequence[TreeConfig]) -> Candidates:
         def column(values: list[int]) -> np.ndarray:
@@ -298,8 +303,7 @@ def step_seconds(
     draft = calibration.draft_seconds(batch_size * candidates.width, candidates.length)
     lookup = np.where(candidates.branches > 0, calibration.lookup, 0.0)
     sample = calibration.sample * packed if sampled else 0.0
-    plain = candidates.packed == 1  # the root alone: plain decoding
-    verify = np.where(plain, calibration.plain_share * verify, verify)  # pipelined
+    verify = np.where(candidates.plain, calibration.plain_share * verify, verify)  # pipelined
     return verify + draft + lookup + sample
 
 
@@ -351,6 +355,8 @@ class AutoTree:
         # A drafter without a table measured sampling: its beams as measured greedily,
         # not trusted (below), and the built-in lookup rows measured sampling.
         self._beams_measured = sampled_prior is not None or not prior.beams
+        if sampled_prior is not None and sampled_prior.temperature <= 0:
+            raise ValueError("sampled_prior: give a table measured sampling (temperature > 0)")
         if sampled_prior is None:
             sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0)
         sampled = _cube(sampled_prior, kinds, LOOKUP_SAMPLED)
@@ -365,7 +371,6 @@ class AutoTree:
         # for tree steps apart: a tree step's host work (packing, acceptance, the
         # cache commit) is not a plain step's, which the calibration times whole.
         self.overhead = np.zeros(2)  # (plain, trees)
-        self._plain = candidates.packed == 1  # (C,)
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
@@ -425,7 +430,7 @@ class AutoTree:
         """(C,) expected step seconds: the calibrated cost plus the measured overhead
         of its kind (plain or tree steps), times each tree's own measured correction
         once it has run."""
-        overhead = np.where(self._plain, self.overhead[0], self.overhead[1])  # (C,)
+        overhead = np.where(self.candidates.plain, self.overhead[0], self.overhead[1])  # (C,)
         return (self.calibrated(batch_size, context, temperature) + overhead) * self.factor
 
     def speeds(self, batch_size: int, context: int, temperature: float = 0.0) -> np.ndarray:
@@ -498,10 +503,11 @@ class AutoTree:
         if current is None or age >= self.every:
             incumbent = self._latest if current is None else current
             speeds = self.speeds(batch_size, context, temperature)
-            if incumbent == 0:  # plain decoding: a tree pays for the switch too
+            plain = self.candidates.plain
+            if plain[incumbent]:  # a tree pays for the switch too
                 extra = self.switch_seconds(batch_size, context, temperature) / self.every
                 costs = self.costs(batch_size, context, temperature)
-                speeds[1:] *= costs[1:] / (costs[1:] + extra)
+                speeds = np.where(plain, speeds, speeds * costs / (costs + extra))
             best = int(np.argmax(speeds))
             current = best if speeds[best] > speeds[incumbent] * (1 + self.margin) else incumbent
             self.current[batch_size], age = current, 0
@@ -570,7 +576,7 @@ class AutoTree:
             temperature = self._last[2]  # the last choice's rows: this step's
             predicted = float(self.calibrated(batch_size, context, temperature)[index])
             # The step's host work and anything else the calibration did not see ...
-            if self._plain[index]:
+            if self.candidates.plain[index]:
                 # A plain step that looked ahead launched the next one's forward, so
                 # its time can hold part of its neighbour's (the first of a stint
                 # long, the last short): only their average means something, so it

@@ -33,14 +33,12 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ACCEPTANCE_FILE = "acceptance.json"  # measured acceptance per depth (`metrics.AcceptanceTable`)
 SAMPLED_ACCEPTANCE_FILE = "acceptance-sampled.json"  # the same, measured sampling
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
 def acceptance_file(temperature: float) -> str:
     """Where a drafter keeps the acceptance table measured at `temperature`."""
     return SAMPLED_ACCEPTANCE_FILE if temperature > 0 else ACCEPTANCE_FILE
-
-
-DRAFT_VOCAB_KEY = "draft_vocab_ids"
 
 
 class DrafterError(ValueError):

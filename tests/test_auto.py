@@ -365,6 +365,8 @@ def test_sampled_steps_start_from_the_table_measured_at_their_temperature():
     # ... where no drafter tree can pay, so no probe is drafted either.
     assert all(auto.probe(PLAIN_DECODING) is None for _ in range(40))
     greedy, sampled = (prior_cube(t, 8, 4, DEPTH) for t in (GOOD_DRAFTER, weak))
+    with pytest.raises(ValueError, match="measured sampling"):
+        AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, GOOD_DRAFTER)  # a greedy table
     at_one = auto.estimates[1].survival(auto.prior(1.0)[0])
     assert at_one[1, 0, 0] == pytest.approx(sampled[1, 0, 0])
     quarter = (3 * greedy[1, 0, 0] + sampled[1, 0, 0]) / 4  # at 0.5: a share of 0.5²
