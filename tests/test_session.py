@@ -157,7 +157,14 @@ def test_plain_steps_launched_ahead_give_the_same_tokens(trained_llama, monkeypa
     assert launched, "no plain forward was launched ahead"
     assert pattern != "p" or max(launched) == 4  # plain throughout: with the joined row
     count = len(launched)
-    assert ahead == decode(prefetch=False)
+    behind = decode(prefetch=False)
+    # The cancelled row leaves at a step, not at a token: a step that looks ahead asks
+    # for the next tree before its own token is committed, so the policy (which
+    # alternates by context length) may give the two runs different trees and so
+    # different token counts by then. Its tokens are the same as far as both went.
+    cut = min(len(ahead[1]), len(behind[1]))
+    assert cut >= 6 and ahead[1][:cut] == behind[1][:cut]
+    assert {k: v for k, v in ahead.items() if k != 1} == {k: v for k, v in behind.items() if k != 1}
     assert len(launched) == count  # without prefetch nothing is launched ahead
     assert ahead[0] == mlx_lm_greedy(model, prompts[0], 12)
     assert ahead[2] == mlx_lm_greedy(model, ending, 9)[:-1]  # cut at its EOS
