@@ -296,15 +296,13 @@ def step_seconds(
     sampled: bool = False,
 ) -> np.ndarray:
     """(C,) predicted seconds of a step of each candidate for `batch_size` rows
-    (`sampled`: some row samples, so every packed token is sampled, not argmaxed,
-    and the drafter draws the same noise for each depth it drafts).
+    (`sampled`: some row samples, so every packed token is sampled, not argmaxed).
     Plain decoding pays `plain_share` of its forward: its steps are pipelined."""
     packed = batch_size * candidates.packed
     verify = calibration.verify_seconds(packed, context)
     draft = calibration.draft_seconds(batch_size * candidates.width, candidates.length)
     lookup = np.where(candidates.branches > 0, calibration.lookup, 0.0)
-    noised = np.where(candidates.width > 0, batch_size * (candidates.length - 1), 0)
-    sample = calibration.sample * (packed + noised) if sampled else 0.0
+    sample = calibration.sample * packed if sampled else 0.0
     verify = np.where(candidates.plain, calibration.plain_share * verify, verify)  # pipelined
     return verify + draft + lookup + sample
 

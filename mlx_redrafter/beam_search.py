@@ -11,7 +11,6 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from .drafter import Drafter
-from .sampling import SampledRows, draft_noise
 
 
 class Expansion(NamedTuple):
@@ -76,7 +75,6 @@ def beam_search(
     beam_width: int,
     beam_length: int,
     expand: Callable[[mx.array, mx.array], Expansion] = expand_beams,
-    sampled: SampledRows | None = None,
 ) -> mx.array:
     """Draft W candidate continuations of length L for every row.
 
@@ -84,12 +82,6 @@ def beam_search(
     hidden: (B, D) target hidden state at the last committed position.
     root_tokens: (B,) the target's own next token; it opens every beam.
     expand: the expansion step (`expand_beams`, or a kernel with identical results).
-    sampled: the rows' sampling (None: every row greedy). A sampling row scores
-        its candidates with its tempered logits plus the noise the target will
-        sample each depth with (`sampling.draft_noise`; V is the target's, which
-        `Drafter.check_fits` holds equal to the drafter's): with one beam, each
-        drafted token is the drafter's guess at the target's sample; wider beams
-        rank continuations by their summed perturbed log-probabilities.
     Returns beams (B, W, L) int32 target token ids, best beam first.
 
     Scores start at [0, -inf, ...] so the first expansion grows beam 0 only and
@@ -106,16 +98,9 @@ def beam_search(
     state = mx.zeros((batch_size, beam_width, hidden_size), dtype=hidden.dtype)  # (B, W, D)
     beam_hidden = mx.broadcast_to(hidden[:, None, :], state.shape)  # (B, W, D)
     last_tokens = beams[:, :, 0]  # (B, W)
-    if sampled is not None:
-        draft_ids = drafter.draft_vocab_ids if drafter.config.draft_vocab_size else None
-        noise = draft_noise(sampled, beam_length - 1, drafter.config.vocab_size, draft_ids)
-        inverse = sampled.inverse_temperature  # (B,)
-        scale = mx.where(inverse > 0, inverse, 1.0)[:, None, None]  # (B, 1, 1)
-    for depth in range(beam_length - 1):
+    for _ in range(beam_length - 1):
         state = drafter.recurrent_step(state, embed(last_tokens))  # (B, W, D)
         logits = drafter.draft_logits(beam_hidden, state)  # (B, W, Vd)
-        if sampled is not None:
-            logits = logits.astype(mx.float32) * scale + noise[:, depth, None, :]  # (B, W, Vd)
         scores, parents, draft_tokens = expand(scores, logits)  # (B, W) each
         tokens = drafter.to_target_ids(draft_tokens).astype(mx.int32)  # (B, W)
         beams = mx.take_along_axis(beams, parents[:, :, None], axis=1)  # (B, W, k)

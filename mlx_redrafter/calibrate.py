@@ -306,7 +306,7 @@ def _draft_costs(
         for length in (2, 4):
             steps = step_functions(model, drafter, TreeConfig(width, length))
             draft = steps.draft
-            costs.append(_time(lambda: draft(hidden, root, None), repeats))  # noqa: B023
+            costs.append(_time(lambda: draft(hidden, root), repeats))  # noqa: B023
         first.append(costs[0])
         level.append(max(costs[1] - costs[0], 0.0) / 2)
     return widths, tuple(first), tuple(level)

@@ -29,14 +29,11 @@ from .kernels import Kernels, select_kernels
 from .logprobs import EmittedLogprobs, TokenLogprob, emitted_logprobs
 from .lookup import lookup_branches
 from .ngrams import table_branches
-from .sampling import SampledRows, choose_tokens, choose_tokens_quickly, position_keys
+from .sampling import choose_tokens, choose_tokens_quickly, position_keys
 from .target import TargetCache, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
 
 GREEDY = SamplingConfig()
-
-# (hidden (B, D), root_tokens (B,), sampled rows or None) -> candidates (B, W, L)
-DraftFn = Callable[[mx.array, mx.array, SampledRows | None], mx.array]
 
 
 @dataclass
@@ -140,14 +137,6 @@ class DecodeState:
         if all(rule.greedy for rule in self.sampling):
             return None
         return position_keys(self.keys, positions)
-
-    def sampled_rows(self) -> SampledRows | None:
-        """What the drafter needs to draft in step with the rows' sampling; None if all
-        greedy."""
-        if all(rule.greedy for rule in self.sampling):
-            return None
-        inverse = [0.0 if rule.greedy else 1.0 / rule.temperature for rule in self.sampling]
-        return SampledRows(self.keys, self.cache.lengths, mx.array(inverse, dtype=mx.float32))
 
 
 @dataclass(frozen=True)
@@ -362,8 +351,8 @@ def plan_step(tree: TreeConfig, has_drafter: bool) -> StepPlan:
 class StepFunctions:
     """The per-step device functions of one `StepPlan`, built once.
 
-    draft: (hidden (B, D), root_tokens (B,), sampled rows or None) -> the drafter's
-        beams (B, W, L) (one beam of the root repeated when there are none)
+    draft: (hidden (B, D), root_tokens (B,)) -> the drafter's beams (B, W, L)
+        (one beam of the root repeated when there are none)
     lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, max(L, Ll)),
         the drafter's beams then G lookup branches, the shorter ones padded with
         ABSENT; None without lookup branches
@@ -373,7 +362,7 @@ class StepFunctions:
     """
 
     plan: StepPlan
-    draft: DraftFn
+    draft: Callable[[mx.array, mx.array], mx.array]
     lookup: Callable[[mx.array, mx.array, mx.array], mx.array] | None
     pack: Callable[[mx.array], PackedTree]
     accept: Callable[[mx.array, mx.array, mx.array, mx.array], Acceptance]
@@ -418,7 +407,7 @@ def step_functions(
 
 def _drafter_beams(
     model: nn.Module, drafter: Drafter | None, plan: StepPlan, ops: Kernels, compiled: bool
-) -> DraftFn:
+) -> Callable[[mx.array, mx.array], mx.array]:
     """The draft function: beam search in the drafter, or the root repeated (the
     lookup's fallback, or plain decoding's one-token tree)."""
     if drafter is None or not plan.drafts:
@@ -426,21 +415,11 @@ def _drafter_beams(
     embed = model.model.embed_tokens
     width, length = plan.tree.beam_width, plan.tree.beam_length
 
-    def greedy(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+    def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
         return beam_search(drafter, embed, hidden, root_tokens, width, length, expand=ops.expand)
 
-    def coupled(hidden: mx.array, root_tokens: mx.array, sampled: SampledRows) -> mx.array:
-        return beam_search(drafter, embed, hidden, root_tokens, width, length, ops.expand, sampled)
-
     if compiled:
-        greedy = mx.compile(greedy, inputs=[drafter.state, embed.state])
-        coupled = mx.compile(coupled, inputs=[drafter.state, embed.state])
-
-    def search(hidden: mx.array, root_tokens: mx.array, sampled: SampledRows | None) -> mx.array:
-        if sampled is None:
-            return greedy(hidden, root_tokens)
-        return coupled(hidden, root_tokens, sampled)
-
+        return mx.compile(search, inputs=[drafter.state, embed.state])
     return search
 
 
@@ -468,10 +447,10 @@ def _lookup(
     return lookup
 
 
-def _repeat_root(beam_length: int) -> DraftFn:
+def _repeat_root(beam_length: int) -> Callable[[mx.array, mx.array], mx.array]:
     """A draft without the drafter: the root repeated, (B, 1, L)."""
 
-    def draft(hidden: mx.array, root_tokens: mx.array, sampled: SampledRows | None) -> mx.array:
+    def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
         shape = (root_tokens.shape[0], 1, beam_length)
         return mx.broadcast_to(root_tokens[:, None, None], shape)
 
@@ -502,7 +481,7 @@ class PhaseClock:
 def draft(steps: StepFunctions, state: DecodeState) -> mx.array:
     """The step's candidates: the drafter's beams, then the lookup branches,
     (B, W + G, L); the device work is lazy until evaluated."""
-    beams = steps.draft(state.hidden, state.root_tokens, state.sampled_rows())  # (B, W, L)
+    beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
     if steps.lookup is not None:
         # Draft (context lookup): G more branches from each row's own text.
         beams = steps.lookup(beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)

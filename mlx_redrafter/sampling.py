@@ -6,7 +6,6 @@ Shapes: B batch, N packed tokens, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -77,14 +76,6 @@ def position_keys(row_keys: mx.array, positions: mx.array) -> mx.array:
     return mx.stack([first, second], axis=-1)
 
 
-def gumbel_noise(keys: mx.array, vocab_size: int) -> mx.array:
-    """The Gumbel noise over the vocabulary that each key draws: (B, K, 2) -> (B, K, V)."""
-    batch_size, count, _ = keys.shape
-    flat_keys = keys.reshape(batch_size * count, 2)  # (B*K, 2)
-    noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab_size,), key=key))(flat_keys)
-    return noise.reshape(batch_size, count, vocab_size)  # (B, K, V)
-
-
 def categorical_by_position(weights: mx.array, keys: mx.array) -> mx.array:
     """Gumbel-max sampling with the noise of each node's key.
 
@@ -94,45 +85,11 @@ def categorical_by_position(weights: mx.array, keys: mx.array) -> mx.array:
     an independent exact sample, and a seeded row emits the same tokens as plain
     sampling with that seed, whatever the tree or the batch.
     """
-    noise = gumbel_noise(keys, weights.shape[-1])  # (B, N, V)
+    batch_size, num_tokens, vocab_size = weights.shape
+    flat_keys = keys.reshape(batch_size * num_tokens, 2)  # (B*N, 2)
+    noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab_size,), key=key))(flat_keys)
+    noise = noise.reshape(batch_size, num_tokens, vocab_size)  # (B, N, V)
     return mx.argmax(weights + noise, axis=-1).astype(mx.int32)
-
-
-class SampledRows(NamedTuple):
-    """What the drafter needs to know of the rows' sampling to draft in step with it.
-
-    keys: (B, 2) each row's PRNG key; positions: (B,) the position of each row's root;
-    inverse_temperature: (B,) 1/T of a sampling row, 0 for a greedy row.
-    """
-
-    keys: mx.array
-    positions: mx.array
-    inverse_temperature: mx.array
-
-
-def draft_noise(
-    rows: SampledRows, depth: int, vocab_size: int, draft_ids: mx.array | None
-) -> mx.array:
-    """The noise the target will sample the next `depth` tokens with, for the drafter.
-
-    The token at depth k + 1 of any candidate is the target's choice at a node of
-    depth k, at position root + k, so it is drawn with that position's noise whatever
-    the tokens before it. A drafter that perturbs its own tempered logits with the
-    same noise drafts the target's sample whenever its distribution is close to the
-    target's (Gumbel-max coupling), instead of the target's likeliest token, which a
-    sample matches far less often. The target's choices and so the output do not
-    change: drafts only decide how many of them one step verifies.
-
-    -> (B, depth, Vd) float32: the noise at the draft vocabulary's target ids
-    (`draft_ids` (Vd,), None: all V); zeros for greedy rows.
-    """
-    offsets = mx.arange(depth, dtype=mx.int32)
-    positions = rows.positions[:, None] + offsets[None, :]  # (B, depth) each parent node
-    noise = gumbel_noise(position_keys(rows.keys, positions), vocab_size)  # (B, depth, V)
-    if draft_ids is not None:
-        noise = mx.take(noise, draft_ids, axis=-1)  # (B, depth, Vd)
-    sampled = rows.inverse_temperature[:, None, None] > 0  # (B, 1, 1)
-    return mx.where(sampled, noise, 0.0)
 
 
 def choose_tokens(

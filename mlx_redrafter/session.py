@@ -704,9 +704,7 @@ class DecodingSession:
         probe_tree = ask(tree)
         if probe_tree is None:
             return
-        beams = self.step_functions(probe_tree).draft(
-            state.hidden, state.root_tokens, state.sampled_rows()
-        )  # (B, W, L)
+        beams = self.step_functions(probe_tree).draft(state.hidden, state.root_tokens)  # (B, W, L)
         state.ride(beams)
         self._probe = DraftProbe.start(probe_tree, state.row_ids, beams)
 
