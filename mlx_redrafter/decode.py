@@ -29,7 +29,7 @@ from .kernels import Kernels, select_kernels
 from .logprobs import EmittedLogprobs, TokenLogprob, emitted_logprobs
 from .lookup import lookup_branches
 from .ngrams import table_branches
-from .sampling import choose_tokens, choose_tokens_quickly, position_keys
+from .sampling import choose_tokens, choose_tokens_quickly, position_keys, scramble_keys
 from .target import TargetCache, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
 
@@ -283,7 +283,8 @@ def _widen(history: mx.array, capacity: int) -> mx.array:
 
 
 def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array:
-    """(B, 2) per-row PRNG keys: the rows' own keys, or zeros when every row is greedy."""
+    """(B, 2) per-row PRNG keys: the rows' own keys, split once (`sampling.scramble_keys`),
+    or zeros when every row is greedy."""
     batch_size = len(rules)
     if keys is None:
         if not all(rule.greedy for rule in rules):
@@ -291,7 +292,7 @@ def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array
         return mx.zeros((batch_size, 2), dtype=mx.uint32)
     if keys.shape != (batch_size, 2):
         raise ValueError(f"keys must have shape ({batch_size}, 2), got {keys.shape}")
-    return keys
+    return scramble_keys(keys)
 
 
 @dataclass(frozen=True)

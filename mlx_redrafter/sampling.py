@@ -61,18 +61,21 @@ def target_distribution(logits: mx.array, sampling: SamplingConfig) -> mx.array:
     return logprobs * (1.0 / sampling.temperature)
 
 
-def position_keys(row_keys: mx.array, positions: mx.array) -> mx.array:
-    """The PRNG key of the token at each position: (B, 2) row keys, (B, N) -> (B, N, 2).
+def scramble_keys(keys: mx.array) -> mx.array:
+    """A row's key as `position_keys` takes it: the request's key split once.
+    (B, 2) -> (B, 2). The position enters the second word of a row key, so without
+    the split keys from small seeds (`mx.random.key(s)` is (0, s)) would share noise
+    across requests: seed s at position p would draw what seed s' draws at position
+    p ^ s ^ s'. Done once per request, when its row is made (`decode.row_keys`)."""
+    return mx.vmap(lambda key: mx.random.split(key, 2)[0])(keys)  # (B, 2)
 
-    The row key is scrambled first (one split), then the position enters its second
-    word. Without the scramble, keys from small seeds (`mx.random.key(s)` is (0, s))
-    would share noise across requests: seed s at position p would draw exactly what
-    seed s' draws at position p ^ s ^ s'.
-    """
+
+def position_keys(row_keys: mx.array, positions: mx.array) -> mx.array:
+    """The PRNG key of the token at each position: (B, 2) row keys (`scramble_keys`),
+    (B, N) -> (B, N, 2)."""
     batch_size, num_tokens = positions.shape
-    scrambled = mx.vmap(lambda key: mx.random.split(key, 2)[0])(row_keys)  # (B, 2)
-    first = mx.broadcast_to(scrambled[:, None, 0], (batch_size, num_tokens))
-    second = scrambled[:, None, 1] ^ positions.astype(mx.uint32)
+    first = mx.broadcast_to(row_keys[:, None, 0], (batch_size, num_tokens))
+    second = row_keys[:, None, 1] ^ positions.astype(mx.uint32)
     return mx.stack([first, second], axis=-1)
 
 

@@ -288,9 +288,11 @@ def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_tar
 
 def test_small_seeds_do_not_share_noise_across_positions():
     """Seed s at position p and seed s' at position p ^ s ^ s' once drew the same noise."""
+    from mlx_redrafter.decode import row_keys
     from mlx_redrafter.sampling import position_keys
 
     keys = mx.stack([mx.random.key(seed) for seed in range(64)])  # (64, 2) as users seed
+    rows = row_keys(keys, [SamplingConfig(temperature=1.0)] * 64)  # (64, 2)
     positions = mx.broadcast_to(mx.arange(64, dtype=mx.int32)[None], (64, 64))  # (64, 64)
-    every = position_keys(keys, positions).reshape(-1, 2)  # (64 * 64, 2)
+    every = position_keys(rows, positions).reshape(-1, 2)  # (64 * 64, 2)
     assert len({tuple(key) for key in every.tolist()}) == 64 * 64
