@@ -256,18 +256,24 @@ class AcceptanceEstimate:
         """(Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens),
         from the counts and the prior's rates (`prior_rate`: others of that shape).
 
-        The prior's rates are first scaled by how the observed steps compare with
-        what the prior predicted for them, so that text where nothing is accepted
-        lowers the cells not yet observed too (wider trees, deeper tokens). Each kind
-        is scaled by its own observations: trees with drafter beams (k >= 1) by
-        theirs, lookup branches alone (k = 0) by theirs, so that lookup branches
-        checked in hindsight neither hold back nor raise the drafter's estimate."""
+        The prior's rates are first scaled down by how the observed steps fall short
+        of what the prior predicted for them, so that text where nothing is accepted
+        lowers the cells not yet observed too (wider trees, deeper tokens). They are
+        never scaled up: a rate raised at every depth compounds along the depths, so
+        a few lucky steps would promise the deepest trees several tokens they have
+        not shown (and the choice, taking the best of many such promises, would
+        follow them); text easier than the prior raises the cells it observes, from
+        their own counts. Each kind is scaled by its own observations: trees with
+        drafter beams (k >= 1) by theirs, lookup branches alone (k = 0) by theirs, so
+        that lookup branches checked in hindsight neither hold back nor raise the
+        drafter's estimate."""
         weight = self.strength
         prior_rate = self.prior_rate if prior_rate is None else prior_rate
         scale = np.ones(prior_rate.shape[0])  # (Kw + 1,)
         for rows in (slice(0, 1), slice(1, None)):
             predicted = float(np.sum(self.reached[rows] * prior_rate[rows]))
-            scale[rows] = (float(np.sum(self.passed[rows])) + weight) / (predicted + weight)
+            observed = (float(np.sum(self.passed[rows])) + weight) / (predicted + weight)
+            scale[rows] = min(observed, 1.0)
         prior = np.clip(prior_rate * scale[:, None, None], 0.0, 1.0)
         rate = (self.passed + weight * prior) / (self.reached + weight)
         cube = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)

@@ -37,6 +37,7 @@ from .config import CacheConfig, SamplingConfig, TreeConfig
 from .distributed import agreed_seconds, agreed_values, all_ranks, sharding_group, sharding_label
 from .drafter import Drafter
 from .files import write_json
+from .sampling import choose_tokens_quickly
 from .target import TargetCache, context_length, output_logits, prepare_target, target_hidden
 from .tree import chain_tree
 
@@ -44,6 +45,7 @@ DEPTH = 9  # deepest drafted token of any tree: a step emits at most DEPTH + 1 t
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # N: packed tokens per step
 CONTEXTS = (256, 1024)  # T: context bands; the cost between them is interpolated
 DRAFT_WIDTHS = (1, 2, 4, 8)  # W: beam widths the drafter's cost is measured at
+GREEDY = SamplingConfig()
 FORMAT = 3  # bump when the file's meaning changes: old files are measured again
 
 
@@ -215,9 +217,10 @@ def engine_digest() -> str:
 # -- measuring ---------------------------------------------------------------------
 
 
-def _time(run: Callable[[], Any], repeats: int) -> float:
-    """The fastest of `repeats` timed runs after one warm-up (seconds)."""
-    mx.eval(run())
+def _time(run: Callable[[], Any], repeats: int, warm: bool = True) -> float:
+    """The fastest of `repeats` timed runs, after one warm-up run (seconds)."""
+    if warm:
+        mx.eval(run())
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -233,25 +236,32 @@ def _verify_curve(
     repeats: int,
     ceiling: float = float("inf"),
 ) -> tuple[float, ...]:
-    """Seconds of a verification forward (logits and their argmax) over N tokens after
+    """Seconds of a verification forward (logits and their greedy choice) over N tokens after
     a context of `context` random tokens, for N in `sizes` (`sweep`: up to the first N
-    that costs more than `ceiling` times N = 1)."""
+    that costs more than `ceiling` times N = 1): the fastest of `repeats` timings,
+    taken in rounds over every N, so that a slow spell of the machine slows every N
+    of a round alike rather than a few N's every timing."""
     vocab = int(model.model.embed_tokens.weight.shape[0])
     prompt = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0)).astype(mx.int32)
     cache = _random_context(model, prompt)
     group = sharding_group(model)
 
-    def seconds(size: int) -> float:
+    def verify(size: int) -> Callable[[], tuple[mx.array, mx.array]]:
         tree = chain_tree(prompt[:, :size])  # (1, N): a tree's cost does not depend on its shape
 
-        def verify() -> mx.array:
+        def run() -> tuple[mx.array, mx.array]:
             logits = output_logits(model, target_hidden(model, cache, tree))  # (1, N, V)
-            return mx.argmax(logits, axis=-1)
+            return choose_tokens_quickly(logits, GREEDY, None)  # as a greedy step does
 
-        # Sharded: every rank runs the sweep's forwards together and stops at the same N.
-        return agreed_seconds(_time(verify, repeats), group)
+        return run
 
-    return sweep(sizes, seconds, ceiling)
+    # Sharded: every rank runs the same forwards together and stops at the same N.
+    first = sweep(sizes, lambda size: agreed_seconds(_time(verify(size), 1), group), ceiling)
+    rounds = [first]
+    for _ in range(repeats - 1):
+        timed = [_time(verify(size), 1, warm=False) for size in sizes[: len(first)]]
+        rounds.append(tuple(agreed_values(timed, group)))
+    return tuple(min(column) for column in zip(*rounds))
 
 
 def _random_context(model: nn.Module, prompt: mx.array) -> TargetCache:
@@ -272,6 +282,20 @@ def _random_context(model: nn.Module, prompt: mx.array) -> TargetCache:
     mx.eval(cache.arrays())
     cache.commit([list(range(context))], [context])
     return cache
+
+
+def monotone(values: Sequence[float]) -> tuple[float, ...]:
+    """The non-decreasing sequence nearest to `values` in squared error (pooling
+    adjacent violators): verifying more tokens never costs less, so where a larger N
+    timed faster than a smaller one, both were noise and share their mean."""
+    blocks: list[tuple[float, int]] = []  # (mean, count), means non-decreasing
+    for value in values:
+        mean, count = float(value), 1
+        while blocks and blocks[-1][0] > mean:
+            before, size = blocks.pop()
+            mean, count = (before * size + mean * count) / (size + count), size + count
+        blocks.append((mean, count))
+    return tuple(mean for mean, count in blocks for _ in range(count))
 
 
 def sweep(
@@ -332,7 +356,7 @@ def _sample_cost(model: nn.Module, repeats: int, nodes: int = 16) -> float:
     logits = mx.random.normal((1, nodes, vocab), key=mx.random.key(2))  # (1, N, V)
     keys = position_keys(mx.random.key(3)[None], mx.arange(nodes, dtype=mx.int32)[None])
     sampled = _time(lambda: choose_tokens(logits, SamplingConfig(1.0), keys), repeats)
-    greedy = _time(lambda: mx.argmax(logits, axis=-1), repeats)
+    greedy = _time(lambda: choose_tokens_quickly(logits, GREEDY, None), repeats)
     return max(sampled - greedy, 0.0) / nodes
 
 
@@ -366,7 +390,7 @@ def measure(
     *,
     sizes: Sequence[int] = SIZES,
     contexts: Sequence[int] = CONTEXTS,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> Calibration:
     """Measure the step costs of `model` (and `drafter`) on this device now."""
     prepare_target(model)
@@ -377,6 +401,7 @@ def measure(
     first = _verify_curve(model, bands[0], sizes, repeats, ceiling=DEPTH + 1)
     sizes = sizes[: len(first)]  # the larger trees cannot pay here: not measured
     verify = (first, *(_verify_curve(model, band, sizes, repeats) for band in bands[1:]))
+    verify = tuple(monotone(row) for row in verify)
     widths, first, level = (
         ((), (), ()) if drafter is None else _draft_costs(model, drafter, repeats)
     )

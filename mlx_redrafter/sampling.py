@@ -129,15 +129,19 @@ def greedy_tokens(logits: mx.array) -> tuple[mx.array, mx.array]:
     index) picks it. So the raw argmax is mlx-lm's choice unless an earlier logit lies
     within that step of the maximum; `unsure` flags that case (a margin of 128 eps),
     and the caller then takes `choose_tokens`. This skips the log-softmax (an exp over
-    the whole vocabulary at every node), the costliest part of greedy verification.
+    the whole vocabulary at every node), the costliest part of greedy verification,
+    and reads the logits twice (their maximum, then the first index near it): with a
+    262k vocabulary each pass over N x V logits is a cost of its own.
 
     logits: (B, N, V) float32 -> choices (B, N) int32, unsure () bool
     """
-    choices = mx.argmax(logits, axis=-1).astype(mx.int32)  # (B, N)
     best = mx.max(logits, axis=-1, keepdims=True)  # (B, N, 1)
     margin = 128 * mx.finfo(logits.dtype).eps
+    # The first index within the margin of the maximum: the raw argmax when it holds
+    # the maximum itself, else an earlier near-tie that mlx-lm's rounding may merge.
     first_near = mx.argmax(logits >= best - margin, axis=-1).astype(mx.int32)  # (B, N)
-    return choices, mx.any(first_near != choices)
+    value = mx.take_along_axis(logits, first_near[..., None], axis=-1)  # (B, N, 1)
+    return first_near, mx.any(value < best)
 
 
 def choose_tokens_quickly(

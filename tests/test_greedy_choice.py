@@ -31,10 +31,28 @@ def merged_logits() -> mx.array:
 def test_a_merged_near_tie_is_flagged_and_the_exact_choice_differs():
     logits = merged_logits()
     exact = mx.argmax(normalize(logits), axis=-1)  # what mlx-lm's greedy sampler takes
-    choices, unsure = greedy_tokens(logits)
-    assert exact.item() == 5 and choices.item() == 9
+    _, unsure = greedy_tokens(logits)
+    assert exact.item() == 5 and mx.argmax(logits, axis=-1).item() == 9
     assert unsure.item()
     assert choose_tokens(logits, GREEDY, None).item() == 5
+
+
+def test_exact_ties_take_the_first_index_unflagged_and_near_ties_are_flagged():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 8, 5000)).astype(np.float32)  # (B, N, V)
+    top = logits.max(axis=-1) + 1.0  # (B, N)
+    logits[0, :, 700] = logits[0, :, 300] = top[0]  # exact ties: index 300 wins
+    logits[1, 2, 900] = top[1, 2]
+    logits[1, 2, 100] = np.nextafter(top[1, 2], np.float32(0))  # an earlier near-tie
+    choices, unsure = greedy_tokens(mx.array(logits[:1]))
+    assert not unsure.item()
+    assert np.array_equal(np.array(choices), np.full((1, 8), 300))
+    assert np.array_equal(np.array(choices), np.argmax(logits[:1], axis=-1))
+    _, unsure = greedy_tokens(mx.array(logits[1:2]))
+    assert unsure.item()
+    choices, unsure = greedy_tokens(mx.array(logits[2:]))  # no ties: the raw argmax
+    assert not unsure.item()
+    assert np.array_equal(np.array(choices), np.argmax(logits[2:], axis=-1))
 
 
 def test_unflagged_choices_equal_the_exact_ones():
