@@ -41,6 +41,7 @@ from mlx_lm.sample_utils import make_sampler
 from .calibrate import cached_calibration
 from .config import (
     DEFAULT_TREE,
+    GREEDY,
     PLAIN_DECODING,
     SamplingConfig,
     StopConfig,
@@ -73,7 +74,7 @@ class BenchConfig:
 
     max_tokens: int = 256
     trees: tuple[TreeConfig | str, ...] = (DEFAULT_TREE,)
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: SamplingConfig = GREEDY
     unpacked: bool = True
     seed: int = 0
     warmup_tokens: int = 16

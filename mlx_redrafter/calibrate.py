@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .config import CacheConfig, SamplingConfig, TreeConfig
+from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .distributed import agreed_seconds, agreed_values, all_ranks, sharding_group, sharding_label
 from .drafter import Drafter
 from .files import write_json
@@ -45,7 +45,6 @@ DEPTH = 9  # deepest drafted token of any tree: a step emits at most DEPTH + 1 t
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # N: packed tokens per step
 CONTEXTS = (256, 1024)  # T: context bands; the cost between them is interpolated
 DRAFT_WIDTHS = (1, 2, 4, 8)  # W: beam widths the drafter's cost is measured at
-GREEDY = SamplingConfig()
 FORMAT = 3  # bump when the file's meaning changes: old files are measured again
 
 

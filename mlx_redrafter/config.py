@@ -209,6 +209,9 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+GREEDY = SamplingConfig()  # argmax decoding, as mlx-lm's default sampler
+
+
 @dataclass(frozen=True)
 class StopConfig:
     """When a row stops: max_tokens, any of eos_token_ids, or a stop string."""

@@ -23,7 +23,7 @@ import numpy as np
 
 from .accept import Acceptance
 from .beam_search import beam_search
-from .config import CacheConfig, SamplingConfig, TreeConfig
+from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
 from .logprobs import EmittedLogprobs, TokenLogprob, emitted_logprobs
@@ -32,8 +32,6 @@ from .ngrams import table_branches
 from .sampling import choose_tokens, choose_tokens_quickly, position_keys, scramble_keys
 from .target import TargetCache, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
-
-GREEDY = SamplingConfig()
 
 
 @dataclass

@@ -34,6 +34,7 @@ import numpy as np
 from .auto import AutoTree
 from .config import (
     DEFAULT_TREE,
+    GREEDY,
     PLAIN_DECODING,
     CacheConfig,
     SamplingConfig,
@@ -80,7 +81,7 @@ class Request:
     """
 
     prompt: Sequence[int]
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: SamplingConfig = GREEDY
     stop: StopConfig = StopConfig()
     key: mx.array | None = None
     prefix: PromptCache | None = None  # reused K/V of earlier turns; takes this one's
