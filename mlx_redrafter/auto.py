@@ -15,9 +15,10 @@ with a short memory replaces the prior where it has seen enough. A tree that sto
 paying (text the drafter cannot guess, nothing to copy) gives way to plain
 decoding; as the estimate forgets, it is tried again now and then. While no lookup
 branches are verified, the estimate still learns theirs in hindsight: every few
-steps the session checks what branches drafted a few tokens back would have had
-accepted (`lookup.hindsight_runs`), so copying text switches lookup trees on without
-spending a single verification on them; and while no drafter beams are verified,
+steps the session checks, for each step since the last check, what branches
+drafted at its start would have had accepted (`lookup.hindsight_runs`, one batched
+search), so copying text switches lookup trees on without spending a single
+verification on them; and while no drafter beams are verified,
 probes draft a few beams without verifying them and compare them with the tokens
 decoded since (`probes.py`), so the drafter's estimate follows the text too.
 """
@@ -37,7 +38,7 @@ from .drafter import Drafter
 from .metrics import AcceptanceTable
 
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
-HINDSIGHT_LONGEST = 16  # most steps between two hindsight checks (or drafter probes)
+PROBE_LONGEST = 16  # most steps between two drafter probes
 PROBE_WIDTH, PROBE_LENGTH = 2, 5  # the drafter tree a probe drafts (`probes.py`)
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps
@@ -377,14 +378,21 @@ class AutoTree:
         # for tree steps apart: a tree step's host work (packing, acceptance, the
         # cache commit) is not a plain step's, which the calibration times whole.
         self.overhead = np.zeros(2)  # (plain, trees)
+        # Measured extra seconds of the first tree step after a plain one (its draft
+        # was not prefetched during the step before): a cost of the switch, learned
+        # apart from the trees' own.
+        self.entry = 0.0
+        self._after_plain = True
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
         self._costs: dict[tuple[int, int, bool], np.ndarray] = {}
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
         self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
-        self._hindsight_due = CheckSchedule(every, HINDSIGHT_LONGEST)
-        self._probe_due = CheckSchedule(every, HINDSIGHT_LONGEST)
+        # A hindsight check covers every step since the last one, in one batched
+        # search: checks every `every` steps see as many steps as checks every step.
+        self._hindsight_due = CheckSchedule(every, every)
+        self._probe_due = CheckSchedule(every, PROBE_LONGEST)
         longest = int(np.max(np.where(candidates.branches > 0, candidates.branch_length, 0)))
         self._hindsight = (
             TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
@@ -490,10 +498,13 @@ class AutoTree:
         """Seconds a stint of trees costs plain decoding beyond its steps: the plain
         step before it and the one after it run unpipelined, each paying the whole
         forward rather than `plain_share` of it (the forward's cost alone: the host's
-        work is not pipelined away either way)."""
+        work is not pipelined away either way), and the stint's first step pays its
+        measured extra (`entry`: it drafts what a tree step after a tree step finds
+        drafted)."""
         plain = float(self.calibrated(batch_size, context, temperature)[0])  # pipelined
         share = self.calibration.plain_share
-        return 2.0 * plain * (1.0 / share - 1.0) if share > 0 else 0.0
+        unpipelined = 2.0 * plain * (1.0 / share - 1.0) if share > 0 else 0.0
+        return unpipelined + max(self.entry, 0.0)
 
     def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         """The tree of the next step for `batch_size` rows at `context` tokens, the
@@ -522,10 +533,10 @@ class AutoTree:
         return self.candidates.trees[current]
 
     def hindsight(self, tree: TreeConfig) -> TreeConfig | None:
-        """The lookup branches (G, Ll) to check in hindsight after a step of `tree`: the
-        widest and longest candidate ones, on the steps `CheckSchedule` picks among
-        those without lookup branches (a check costs the device a little). None on
-        the other steps."""
+        """The lookup branches (G, Ll) to check in hindsight on a step of `tree`: the
+        widest and longest candidate ones, every `every` steps among those without
+        lookup branches (a check costs the device a little; it covers the steps since
+        the last one). None on the other steps."""
         if self._hindsight is None:
             return None
         return self._hindsight if self._hindsight_due.due(tree.lookup_branches > 0) else None
@@ -588,6 +599,13 @@ class AutoTree:
                 # long, the last short): only their average means something, so it
                 # is not clipped, and no plain factor is kept.
                 self.overhead[0] += 0.1 * (seconds - predicted - self.overhead[0])
+                self._after_plain = True
+                return
+            if self._after_plain:  # the first step of a stint: the switch's cost
+                self._after_plain = False
+                expected = (predicted + self.overhead[1]) * self.factor[index]
+                extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
+                self.entry += 0.2 * (extra - self.entry)
                 return
             gap = max(seconds - predicted, -0.5 * predicted)
             self.overhead[1] += 0.1 * (gap - self.overhead[1])

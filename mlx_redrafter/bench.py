@@ -99,7 +99,8 @@ def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     for tree in config.trees:
         if has_drafter and config.without_drafter:
             label = tree if isinstance(tree, str) else tree.label
-            methods.append(Method(f"redrafter {label} no drafter", tree, False))
+            alone = tree if isinstance(tree, str) else tree.lookup_only  # lookup branches
+            methods.append(Method(f"redrafter {label} no drafter", alone, False))
         if isinstance(tree, str):
             methods.append(Method(f"redrafter {tree}", tree, True))
             continue

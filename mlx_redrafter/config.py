@@ -108,6 +108,25 @@ class TreeConfig:
         return self.tree_budget if self.tree_budget is not None else self.max_tree_size
 
     @property
+    def lookup_only(self) -> TreeConfig:
+        """The tree without its drafter beams: its lookup branches alone (0x1+GxLl),
+        or plain decoding when it has none. What a session without a drafter decodes
+        with: lookup branches need no drafter."""
+        if not self.beam_width:
+            return self
+        if not self.lookup_branches:
+            return PLAIN_DECODING
+        return TreeConfig(
+            0,
+            1,
+            share_prefixes=self.share_prefixes,
+            lookup_branches=self.lookup_branches,
+            lookup_ngram=self.lookup_ngram,
+            lookup_length=self.lookup_branch_length,
+            lookup_table=self.lookup_table,
+        )
+
+    @property
     def label(self) -> str:
         """'WxL'; 'WxL+G' with G lookup branches of L tokens; 'WxL+GxLl' with G lookup
         branches of Ll tokens; ':text' when they do not use the n-gram table (what

@@ -297,13 +297,13 @@ def row_keys(keys: mx.array | None, rules: Sequence[SamplingConfig]) -> mx.array
 class StepPlan:
     """What a step of one (tree, drafter) does, derived once from the config.
 
-    tree: the tree as asked for; drafts: the drafter's W beams of L tokens take part
-    (a drafter, W >= 1, L > 1); lookup_branches, lookup_length: the G lookup branches
-    of Ll tokens that take part (0: none); num_packed: N, the packed tokens verified
-    per step (1: plain decoding); share_prefixes: pack each distinct prefix once;
-    lookup_table: lookup branches without a match use the drafter's n-gram table.
-    Without a drafter, drafter beams (W >= 1) mean plain decoding, while lookup
-    branches alone (W = 0) need no drafter and stay.
+    tree: the tree a step decodes with: the tree asked for, or without a drafter its
+    lookup branches alone (`TreeConfig.lookup_only`; plain decoding when it has
+    none); drafts: the drafter's W beams of L tokens take part (a drafter, W >= 1,
+    L > 1); lookup_branches, lookup_length: the G lookup branches of Ll tokens that
+    take part (0: none); num_packed: N, the packed tokens verified per step (1: plain
+    decoding); share_prefixes: pack each distinct prefix once; lookup_table: lookup
+    branches without a match use the drafter's n-gram table.
     """
 
     tree: TreeConfig
@@ -330,10 +330,11 @@ class StepPlan:
 
 def plan_step(tree: TreeConfig, has_drafter: bool) -> StepPlan:
     """The plan of every step of a session decoding with `tree` (see `StepPlan`)."""
+    if not has_drafter:
+        tree = tree.lookup_only  # drafter beams need a drafter, lookup branches do not
     drafts = has_drafter and tree.beam_width > 0 and tree.beam_length > 1
-    may_look_up = has_drafter or tree.beam_width == 0
     lookup_length = tree.lookup_branch_length
-    branches = tree.lookup_branches if may_look_up and lookup_length > 1 else 0
+    branches = tree.lookup_branches if lookup_length > 1 else 0
     speculates = drafts or branches > 0
     return StepPlan(
         tree=tree,

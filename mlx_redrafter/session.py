@@ -242,6 +242,9 @@ class _Row:
     text: StopText | None
     metrics: RequestMetrics
     cancelled: bool = False
+    # History lengths at the starts of the steps that verified no lookup branches
+    # and are not yet checked in hindsight (`DecodingSession._hindsight`).
+    unchecked: list[int] = field(default_factory=list)
 
     def advance(
         self, tokens: list[int], committed: int, depth: int, limit: int | None
@@ -266,6 +269,7 @@ class SessionStats:
     steps_by_tree: dict[str, int] = field(default_factory=dict)
 
 
+HINDSIGHT_KEPT = 64  # most unchecked step starts a row keeps for a hindsight check
 _WIRED = threading.Lock()
 _wired_users = 0
 
@@ -595,7 +599,7 @@ class DecodingSession:
         top = max((k for k in asked if k is not None), default=None)
         row_ids = list(state.row_ids)
         with mx.stream(generation_stream()):
-            hindsight = self._hindsight(state, tree)
+            hindsight = self._hindsight(state, tree, steps.plan.lookup_branches > 0)
             self._start_probe(state, tree)
             output = decode_step(
                 self.model, steps, state, self.clock, self.prefetch, look_ahead, top
@@ -670,28 +674,45 @@ class DecodingSession:
         self.policy.record(timed.tree, timed.batch_size, seconds, timed.runs, timed.context)
 
     def _hindsight(
-        self, state: DecodeState, tree: TreeConfig
+        self, state: DecodeState, tree: TreeConfig, verifies_lookup: bool
     ) -> tuple[mx.array, TreeConfig] | None:
-        """The runs (B, G) of the lookup branches the policy asks to check in hindsight
+        """The runs (M, G) of the lookup branches the policy asks to check in hindsight
         on this step (launched now, read after the step's sync), with the lookup tree
-        they come from; rows whose branches would start in their prompt get -1 (not
-        checked). Optional: a `TreeChoice` without `hindsight` gets none."""
+        they come from. A check covers every step since the last one that verified no
+        lookup branches: M is one per such step and row, each the branches as they
+        would have been drafted at that step's start, once the Ll - 1 tokens they
+        are compared with have come (steps whose branches would start in their
+        prompt are not checked). Optional: a `TreeChoice` without `hindsight` gets
+        none."""
         ask = getattr(self.policy, "hindsight", None)
-        lookup_tree = ask(tree) if ask is not None else None
-        if lookup_tree is None:
+        if ask is None:
             return None
-        length = lookup_tree.lookup_branch_length
         known = np.array(state.cache.host_lengths) + 1  # (B,) the root included
-        prompts = np.array([len(self._rows[i].request.prompt) for i in state.row_ids])
-        checked = known - (length - 1) >= prompts  # (B,) every token compared is output
-        if not checked.any() or state.history.shape[1] < length:
+        rows = [self._rows[i] for i in state.row_ids]
+        for row, length in zip(rows, known):
+            row.unchecked = [] if verifies_lookup else row.unchecked[-HINDSIGHT_KEPT:]
+            if not verifies_lookup:
+                row.unchecked.append(int(length))
+        lookup_tree = ask(tree)
+        if lookup_tree is None or state.history.shape[1] < lookup_tree.lookup_branch_length:
+            return None
+        span = lookup_tree.lookup_branch_length - 1  # tokens a branch is compared with
+        where, lengths = [], []  # (M,) batch position and history length then + span
+        for position, (row, length) in enumerate(zip(rows, known)):
+            ready = [s for s in row.unchecked if s + span <= length]
+            row.unchecked = [s for s in row.unchecked if s + span > length]
+            for start in ready:
+                if start >= len(row.request.prompt):
+                    where.append(position)
+                    lengths.append(start + span)
+        if not where:
             return None
         table = self.drafter.ngrams if self.drafter is not None else None
         fallback = partial(table_branches, table) if table and lookup_tree.lookup_table else None
-        lengths = mx.array(np.maximum(known, length), dtype=mx.int32)  # (B,)
+        history = state.history[mx.array(where, dtype=mx.int32)]  # (M, T)
         count, ngram = lookup_tree.lookup_branches, lookup_tree.lookup_ngram
-        runs = hindsight_runs(state.history, lengths, count, length, ngram, fallback)  # (B, G)
-        runs = mx.where(mx.array(checked)[:, None], runs, -1)  # (B, G)
+        past = mx.array(lengths, dtype=mx.int32)  # (M,)
+        runs = hindsight_runs(history, past, count, span + 1, ngram, fallback)  # (M, G)
         state.ride(runs)
         return runs, lookup_tree
 

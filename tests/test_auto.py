@@ -38,6 +38,7 @@ from mlx_redrafter.calibrate import (
 )
 from mlx_redrafter.config import PLAIN_DECODING
 from mlx_redrafter.drafter import Drafter, DrafterError
+from mlx_redrafter.lookup import hindsight_runs
 from mlx_redrafter.metrics import AcceptanceTable, survival
 from mlx_redrafter.training.evaluate import measure_acceptance
 
@@ -287,18 +288,19 @@ def test_drafter_trees_are_still_retried_while_hindsight_sees_no_copying():
     assert any(tree.beam_width >= 1 and tree.beam_length > 1 for tree in late)
 
 
-def test_hindsight_is_asked_ever_less_often_without_lookup_branches():
-    """After 4 steps without lookup branches, then 8, then 16 at most; a step with
-    lookup branches starts again from 4."""
+def test_hindsight_is_asked_every_few_steps_without_lookup_branches():
+    """Every 4 steps without lookup branches (a check covers the steps since the
+    last one); a step with lookup branches starts the count again."""
     auto = auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, has_drafter=False)
-    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(60)]
-    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12, 28, 44, 60]
+    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(24)]
+    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 8, 12, 16, 20, 24]
     assert asked[3] is not None and asked[3].lookup_branches == 4
     assert asked[3].lookup_branch_length == 10
     lookup_tree = TreeConfig(0, 1, lookup_branches=1, lookup_length=7)
+    assert auto.hindsight(PLAIN_DECODING) is None
     assert all(auto.hindsight(lookup_tree) is None for _ in range(8))
-    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(12)]
-    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 12]
+    asked = [auto.hindsight(PLAIN_DECODING) for _ in range(8)]
+    assert [i + 1 for i, a in enumerate(asked) if a is not None] == [4, 8]
 
 
 def test_drafter_acceptance_is_learned_from_probes_while_decoding_plainly():
@@ -404,7 +406,29 @@ def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
         runs = np.full((1, tree.num_branches), tree.depth - 1)  # everything accepted
         seconds = float(auto.calibrated(1, 0)[auto._index[tree]])
         auto.record(tree, 1, 3 * seconds if tree == slow else seconds, runs, 0)
-    assert auto.factor[index] > 1.5 and auto.choose(1) != slow
+    # Its first step taught the switch's cost (`entry`), the others its own.
+    assert auto.factor[index] > 1.4 and auto.entry > 0 and auto.choose(1) != slow
+
+
+def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
+    """A stint's first step drafts what later steps had prefetched: its extra time is
+    learned as the switch's cost (`entry`, paid by `switch_seconds`), and the tree's
+    own cost is learned from the steps after it."""
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    tree = auto.choose(1)
+    index = auto._index[tree]
+    runs = np.full((1, tree.num_branches), tree.depth - 1)
+    predicted, plain = (float(auto.calibrated(1, 0)[i]) for i in (index, 0))
+    none = np.zeros((1, 0), dtype=int)
+    assert auto.switch_seconds(1, 0) == 0.0  # plain_share 1, nothing measured yet
+    for _ in range(40):
+        auto.record(PLAIN_DECODING, 1, plain, none, 0)
+        for k in range(4):
+            auto.record(tree, 1, predicted + (0.015 if k == 0 else 0.0), runs, 0)
+    assert auto.entry == pytest.approx(0.015, rel=0.05)
+    assert auto.factor[index] == pytest.approx(1.0, abs=0.01)
+    assert abs(auto.overhead[1]) < 1e-3
+    assert auto.switch_seconds(1, 0) == pytest.approx(0.015, rel=0.05)
 
 
 def test_measured_step_times_beyond_the_curve_count_as_overhead():
@@ -465,6 +489,42 @@ def test_a_session_turns_lookup_on_from_what_it_sees_in_hindsight(trained_llama)
     assert [t for u in updates for t in u.tokens] == mlx_lm_greedy(model, prompt, 60)
     assert updates[0].tree == PLAIN_DECODING
     assert any(u.tree.lookup_branches for u in updates)
+
+
+class Checked(OnTheCurve):
+    """`OnTheCurve` that keeps the runs its hindsight checks report."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checked = []
+
+    def record_hindsight(self, runs, lookup_tree):
+        self.checked.append(runs)
+        super().record_hindsight(runs, lookup_tree)
+
+
+def test_a_hindsight_check_covers_every_step_since_the_last(trained_llama):
+    """Decoding plainly, each check reports the branches of every step since the
+    last check, as drafted at that step's start: together, one row per plain step
+    whose Ll - 1 following tokens have come, equal to `hindsight_runs` there."""
+    model, _, prompts = trained_llama
+    curve = synthetic(lambda n: 0.010 * (1 + 3.0 * (n - 1)))  # lookup never pays
+    auto = Checked(curve, candidate_trees(False), LOOKUP_PRIOR)
+    prompt = (prompts[0] * 6)[:40]
+    updates = list(
+        DecodingSession(model, None, tree=auto).run([Request(prompt, stop=StopConfig(60))])
+    )
+    assert all(u.tree == PLAIN_DECODING for u in updates)
+    runs = np.concatenate(auto.checked)  # (M, G) in step order
+    text = prompt + [t for u in updates for t in u.tokens]
+    span = auto._hindsight.lookup_branch_length - 1
+    assert len(auto.checked) >= 10 and 60 - span - 4 <= len(runs) <= 60 - span + 1
+    starts = len(prompt) + np.arange(len(runs))  # history lengths at each step's start
+    expected = hindsight_runs(
+        mx.array([text] * len(runs)), mx.array(starts + span), 4, span + 1, 3
+    )  # (M, G)
+    assert runs.tolist() == np.array(expected).tolist()
+    assert runs.max() > 0
 
 
 class Probed(OnTheCurve):

@@ -167,8 +167,13 @@ def test_environment_and_slow_blas_warning():
 def test_the_tree_a_session_decodes_with_and_how_commands_name_it():
     drafter = Drafter.create(tiny_model("llama"))
     lookup_only = TreeConfig.parse("0x5+1:text")
-    # Without a drafter, drafter beams mean plain decoding; lookup branches alone do not.
+    # Without a drafter, drafter beams drop out and lookup branches stay.
     assert plan_step(TreeConfig(2, 2), has_drafter=False).plain
+    kept = plan_step(TreeConfig.parse("1x2+1x7"), has_drafter=False)
+    assert kept.tree == TreeConfig.parse("0x1+1x7") == TreeConfig.parse("1x2+1x7").lookup_only
+    assert not kept.drafts and kept.lookup_branches == 1 and kept.num_packed == 7
+    assert TreeConfig(2, 2).lookup_only == PLAIN_DECODING
+    assert lookup_only.lookup_only == lookup_only
     only = plan_step(lookup_only, has_drafter=False)
     assert not only.plain and not only.drafts and only.lookup_branches == 1
     assert only.num_packed == 5 and not only.lookup_table and only.depth == 5
@@ -239,7 +244,9 @@ def test_each_tree_also_runs_without_the_drafter_when_asked(trained_llama):
     assert all(row["match_rate"] == 1.0 for row in rows.values())
     assert rows["redrafter 2x3+1"]["tau"] > rows["redrafter 2x3+1 no drafter"]["tau"]
     fixed = [r for r in result["runs"] if r["method"] == "redrafter 2x3+1 no drafter"]
-    assert all(size <= 1 + 3 for run in fixed for size in run["tree_sizes"])  # no beams
+    sizes = [size for run in fixed for size in run["tree_sizes"]]
+    assert max(sizes) == 3 and all(size <= 3 for size in sizes)  # the branch, no beams
+    assert all(set(run["trees_used"]) <= {"0x1+1x3", "1x1"} for run in fixed)
 
 
 def test_ignore_eos_decodes_every_method_to_max_tokens(trained_llama):

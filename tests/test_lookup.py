@@ -198,16 +198,18 @@ def test_beam_shapes_parse_and_label():
         TreeConfig(1, 3, lookup_branches=1, lookup_length=0)
 
 
-def test_without_a_drafter_only_lookup_alone_speculates(trained_llama):
-    """drafter=None decodes plainly, as documented, unless the beam asks for lookup
-    beams alone (W = 0)."""
+def test_without_a_drafter_a_tree_keeps_its_lookup_branches(trained_llama):
+    """drafter=None: a tree's drafter beams drop out and its lookup branches stay
+    (`TreeConfig.lookup_only`); a tree without lookup branches decodes plainly."""
     model, _, _ = trained_llama
     prompts = repetitive_prompts(2, seed=8)
-    plain, plain_events = decode_tokens(
-        model, None, prompts, TreeConfig(1, 3, lookup_branches=1), 24
-    )
+    plain, plain_events = decode_tokens(model, None, prompts, TreeConfig(2, 3), 24)
     assert all(n == 0 for event in plain_events for n in event.num_accepted)
     assert all(size == 1 for event in plain_events for size in event.tree_sizes)
+    mixed, mixed_events = decode_tokens(
+        model, None, prompts, TreeConfig(1, 3, lookup_branches=1), 24
+    )
     alone, events = decode_tokens(model, None, prompts, TreeConfig(0, 3, lookup_branches=1), 24)
-    assert alone == plain
+    assert mixed == alone == plain
+    assert [e.num_accepted for e in mixed_events] == [e.num_accepted for e in events]
     assert len(events) < len(plain_events)
