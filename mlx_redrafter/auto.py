@@ -383,6 +383,7 @@ class AutoTree:
         # apart from the trees' own.
         self.entry = 0.0
         self._after_plain = True
+        self._ran: set[int] = set()  # trees whose first stint has started
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
@@ -574,8 +575,8 @@ class AutoTree:
         self._observe(runs, none, probe_tree.beam_length, 1)
 
     def record_hindsight(self, runs: np.ndarray, lookup_tree: TreeConfig) -> None:
-        """Learn lookup acceptance from the runs (B, G) that the branches of
-        `lookup_tree` would have had accepted (a row of -1: not checked)."""
+        """Learn lookup acceptance from the runs (M, G) that the branches of
+        `lookup_tree` would have had accepted, one row per step and row checked."""
         none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no drafter beams
         self._observe(none, runs, 1, lookup_tree.lookup_branch_length)
 
@@ -603,6 +604,9 @@ class AutoTree:
                 return
             if self._after_plain:  # the first step of a stint: the switch's cost
                 self._after_plain = False
+                if index not in self._ran:  # its first ever: building its functions
+                    self._ran.add(index)
+                    return
                 expected = (predicted + self.overhead[1]) * self.factor[index]
                 extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
                 self.entry += 0.2 * (extra - self.entry)

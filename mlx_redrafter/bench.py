@@ -97,7 +97,8 @@ BASELINE = Method("mlx-lm", None)
 def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     methods = [BASELINE, Method("plain", PLAIN_DECODING)]
     for tree in config.trees:
-        if has_drafter and config.without_drafter:
+        lookup = isinstance(tree, str) or tree.lookup_branches > 0  # else plain decoding
+        if has_drafter and config.without_drafter and lookup:
             label = tree if isinstance(tree, str) else tree.label
             alone = tree if isinstance(tree, str) else tree.lookup_only  # lookup branches
             methods.append(Method(f"redrafter {label} no drafter", alone, False))

@@ -188,9 +188,10 @@ def stream_generate(
     Options as in `stream_batch` (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
     seed, stop, tree, cache, logprobs). prompt_cache: a `PromptCache` kept across calls (a
     conversation's turns): only what the prompt does not share with it is prefilled.
-    `drafter=None` decodes plainly (one token per target forward) through the same
-    session, or with lookup branches alone for a tree of W = 0 (e.g.
-    tree="0x5+1:text"). The last response has a finish_reason and carries the totals.
+    `drafter=None` decodes with the tree's lookup branches alone
+    (`TreeConfig.lookup_only`: "1x2+1x7" decodes as "0x1+1x7"), or plainly (one
+    token per target forward) for a tree without them, through the same session. The
+    last response has a finish_reason and carries the totals.
     """
     caches = [prompt_cache]
     for _, response in stream_batch(

@@ -127,8 +127,9 @@ class TreeChoice(Protocol):
     after it is known: at the next step, at an `add`, or when the batch ends
     (`FixedTrees`, `auto.AutoTree`). A choice may also learn lookup acceptance in hindsight, as the
     auto tree does: `hindsight(tree) -> TreeConfig | None` names lookup branches to
-    check after a step of `tree`, and `record_hindsight(runs, lookup_tree)` gets
-    the runs (B, G) they would have had accepted (`lookup.hindsight_runs`); and
+    check on a step of `tree`, and `record_hindsight(runs, lookup_tree)` gets the
+    runs (M, G) they would have had accepted at each step since the last check,
+    one row per such step and row (`lookup.hindsight_runs`); and
     drafter acceptance from probes: `probe(tree) -> TreeConfig | None` names a
     drafter tree to draft unverified on a step of `tree`, and
     `record_probe(runs, probe_tree)` gets the runs (B, W) its beams would have had

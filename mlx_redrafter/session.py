@@ -243,7 +243,7 @@ class _Row:
     metrics: RequestMetrics
     cancelled: bool = False
     # History lengths at the starts of the steps that verified no lookup branches
-    # and are not yet checked in hindsight (`DecodingSession._hindsight`).
+    # and are not checked in hindsight yet (`DecodingSession._hindsight`).
     unchecked: list[int] = field(default_factory=list)
 
     def advance(
@@ -305,7 +305,8 @@ class DecodingSession:
     """Requests decoded together, one speculative step at a time.
 
     model: an mlx-lm model (prepared for tree verification here); drafter: None
-    decodes plainly, or with lookup branches alone for a tree of W = 0; tokenizer:
+    decodes with a tree's lookup branches alone (`TreeConfig.lookup_only`), or
+    plainly for a tree without them; tokenizer:
     mlx-lm's tokenizer wrapper, or None for token ids alone (no text, no stop
     strings); tree: "auto" (None: `DEFAULT_TREE`, the auto tree: `auto.AutoTree`,
     calibrated for this machine on first use), a `TreeConfig` or its notation
@@ -613,8 +614,9 @@ class DecodingSession:
         if hindsight is not None and record is not None:
             record(np.array(hindsight[0]), hindsight[1])
         self._follow_probe(row_ids, output.tokens)
-        self._count(used, batch_size)
-        keep = self._emit(state, output, used, seconds, asked, updates)
+        decoded = PLAIN_DECODING if steps.plan.plain else steps.plan.tree  # lookup_only
+        self._count(decoded, batch_size)
+        keep = self._emit(state, output, decoded, seconds, asked, updates)
         if not keep:
             self.state = None
             self._settle_timing(gap_counts=False)  # nothing follows it to overlap
@@ -689,10 +691,9 @@ class DecodingSession:
             return None
         known = np.array(state.cache.host_lengths) + 1  # (B,) the root included
         rows = [self._rows[i] for i in state.row_ids]
-        for row, length in zip(rows, known):
-            row.unchecked = [] if verifies_lookup else row.unchecked[-HINDSIGHT_KEPT:]
-            if not verifies_lookup:
-                row.unchecked.append(int(length))
+        if not verifies_lookup:  # a step that verifies them is observed directly
+            for row, length in zip(rows, known):
+                row.unchecked = [*row.unchecked, int(length)][-HINDSIGHT_KEPT:]
         lookup_tree = ask(tree)
         if lookup_tree is None or state.history.shape[1] < lookup_tree.lookup_branch_length:
             return None

@@ -406,14 +406,15 @@ def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
         runs = np.full((1, tree.num_branches), tree.depth - 1)  # everything accepted
         seconds = float(auto.calibrated(1, 0)[auto._index[tree]])
         auto.record(tree, 1, 3 * seconds if tree == slow else seconds, runs, 0)
-    # Its first step taught the switch's cost (`entry`), the others its own.
-    assert auto.factor[index] > 1.4 and auto.entry > 0 and auto.choose(1) != slow
+    # Its first step (building its functions) taught nothing, the others its cost.
+    assert auto.factor[index] > 1.4 and auto.entry == 0 and auto.choose(1) != slow
 
 
 def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
     """A stint's first step drafts what later steps had prefetched: its extra time is
     learned as the switch's cost (`entry`, paid by `switch_seconds`), and the tree's
-    own cost is learned from the steps after it."""
+    own cost is learned from the steps after it. The tree's first step ever (which
+    builds its functions) teaches neither."""
     auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
     tree = auto.choose(1)
     index = auto._index[tree]
@@ -421,10 +422,13 @@ def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
     predicted, plain = (float(auto.calibrated(1, 0)[i]) for i in (index, 0))
     none = np.zeros((1, 0), dtype=int)
     assert auto.switch_seconds(1, 0) == 0.0  # plain_share 1, nothing measured yet
-    for _ in range(40):
+    for stint in range(40):
         auto.record(PLAIN_DECODING, 1, plain, none, 0)
         for k in range(4):
-            auto.record(tree, 1, predicted + (0.015 if k == 0 else 0.0), runs, 0)
+            extra = (0.200 if stint == 0 else 0.015) if k == 0 else 0.0
+            auto.record(tree, 1, predicted + extra, runs, 0)
+        if stint == 0:
+            assert auto.entry == 0.0 and auto.factor[index] == pytest.approx(1.0)
     assert auto.entry == pytest.approx(0.015, rel=0.05)
     assert auto.factor[index] == pytest.approx(1.0, abs=0.01)
     assert abs(auto.overhead[1]) < 1e-3

@@ -11,6 +11,7 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from mlx_redrafter.bench import (
     BenchConfig,
+    benchmark_methods,
     environment,
     format_table,
     run_benchmark,
@@ -173,6 +174,11 @@ def test_the_tree_a_session_decodes_with_and_how_commands_name_it():
     assert kept.tree == TreeConfig.parse("0x1+1x7") == TreeConfig.parse("1x2+1x7").lookup_only
     assert not kept.drafts and kept.lookup_branches == 1 and kept.num_packed == 7
     assert TreeConfig(2, 2).lookup_only == PLAIN_DECODING
+    assert describe_tree(None, TreeConfig.parse("1x2+1x7")).startswith("ReDrafter 0x1+1x7 ")
+    asked = BenchConfig(trees=(TreeConfig(2, 3), TreeConfig.parse("1x2+1x7")), without_drafter=True)
+    names = [method.name for method in benchmark_methods(asked, has_drafter=True)]
+    assert "redrafter 2x3 no drafter" not in names  # plain decoding, measured as "plain"
+    assert "redrafter 1x2+1x7 no drafter" in names
     assert lookup_only.lookup_only == lookup_only
     only = plan_step(lookup_only, has_drafter=False)
     assert not only.plain and not only.drafts and only.lookup_branches == 1

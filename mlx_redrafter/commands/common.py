@@ -54,6 +54,7 @@ def describe_tree(drafter: Drafter | None, tree: TreeConfig | str) -> str:
     if isinstance(tree, str):
         source = "drafter and lookup" if drafter is not None else "lookup"
         return f"ReDrafter auto tree ({source} trees or plain, chosen per step)"
-    if plan_step(tree, drafter is not None).plain:
+    plan = plan_step(tree, drafter is not None)
+    if plan.plain:
         return "plain decoding"
-    return f"ReDrafter {tree.label} (W drafter beams x L, + lookup branches)"
+    return f"ReDrafter {plan.tree.label} (W drafter beams x L, + lookup branches)"
