@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -116,15 +116,8 @@ class TreeConfig:
             return self
         if not self.lookup_branches:
             return PLAIN_DECODING
-        return TreeConfig(
-            0,
-            1,
-            share_prefixes=self.share_prefixes,
-            lookup_branches=self.lookup_branches,
-            lookup_ngram=self.lookup_ngram,
-            lookup_length=self.lookup_branch_length,
-            lookup_table=self.lookup_table,
-        )
+        length = self.lookup_branch_length
+        return replace(self, beam_width=0, beam_length=1, tree_budget=None, lookup_length=length)
 
     @property
     def label(self) -> str:
