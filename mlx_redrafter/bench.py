@@ -38,7 +38,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.generate import generation_stream as mlx_lm_generation_stream
 from mlx_lm.sample_utils import make_sampler
 
-from .calibrate import cached_calibration
+from .calibrate import cached_calibration, device_name
 from .config import (
     DEFAULT_TREE,
     GREEDY,
@@ -392,6 +392,7 @@ def environment() -> dict[str, Any]:
         "backend": "metal" if device == mx.gpu and mx.metal.is_available() else "cpu",
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "device_name": device_name(),
         "cpu_count": os.cpu_count(),
         "matmul_gflops_fp32": round(gflops, 1),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),

@@ -33,6 +33,8 @@ from .sampling import choose_tokens, choose_tokens_quickly, position_keys, scram
 from .target import TargetCache, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
 
+HINDSIGHT_KEPT = 64  # most unchecked step starts a row keeps for a hindsight check
+
 
 @dataclass
 class DecodeState:
@@ -53,6 +55,10 @@ class DecodeState:
     riders: lazy arrays a check wants computed (hindsight runs, probe beams); the
         step evaluates them with its own work, at its look-ahead launch or its
         sync, so they never make the host wait for a forward in flight.
+    unchecked: (B, HINDSIGHT_KEPT) host array, each row's history lengths at the
+        starts of the latest steps that verified no lookup branches and are not
+        checked in hindsight yet, oldest first; -1 where there is none
+        (`DecodingSession._hindsight`).
     """
 
     cache: TargetCache
@@ -65,6 +71,11 @@ class DecodeState:
     drafted: tuple[StepFunctions, mx.array] | None = None
     ahead: PlainForward | None = None
     riders: list[mx.array] = field(default_factory=list)
+    unchecked: np.ndarray = field(default_factory=lambda: np.zeros((0, HINDSIGHT_KEPT), np.int64))
+
+    def __post_init__(self) -> None:
+        if len(self.unchecked) != len(self.row_ids):
+            self.unchecked = np.full((len(self.row_ids), HINDSIGHT_KEPT), -1, dtype=np.int64)
 
     def ride(self, *arrays: mx.array) -> None:
         """Have the next step evaluate these arrays with its own work."""
@@ -100,6 +111,7 @@ class DecodeState:
         self.sampling = [self.sampling[r] for r in rows]
         self.keys = self.keys[index]
         self.history = self.history[index]
+        self.unchecked = self.unchecked[rows]
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
@@ -110,6 +122,7 @@ class DecodeState:
         self.row_ids = self.row_ids + other.row_ids
         self.sampling = self.sampling + other.sampling
         self.keys = mx.concatenate([self.keys, other.keys])
+        self.unchecked = np.concatenate([self.unchecked, other.unchecked])
         capacity = max(self.history.shape[1], other.history.shape[1])
         self.history = mx.concatenate(
             [_widen(self.history, capacity), _widen(other.history, capacity)]

@@ -242,9 +242,6 @@ class _Row:
     text: StopText | None
     metrics: RequestMetrics
     cancelled: bool = False
-    # History lengths at the starts of the steps that verified no lookup branches
-    # and are not checked in hindsight yet (`DecodingSession._hindsight`).
-    unchecked: list[int] = field(default_factory=list)
 
     def advance(
         self, tokens: list[int], committed: int, depth: int, limit: int | None
@@ -269,7 +266,6 @@ class SessionStats:
     steps_by_tree: dict[str, int] = field(default_factory=dict)
 
 
-HINDSIGHT_KEPT = 64  # most unchecked step starts a row keeps for a hindsight check
 _WIRED = threading.Lock()
 _wired_users = 0
 
@@ -682,37 +678,31 @@ class DecodingSession:
         on this step (launched now, read after the step's sync), with the lookup tree
         they come from. A check covers every step since the last one that verified no
         lookup branches: M is one per such step and row, each the branches as they
-        would have been drafted at that step's start, once the Ll - 1 tokens they
-        are compared with have come (steps whose branches would start in their
-        prompt are not checked). Optional: a `TreeChoice` without `hindsight` gets
-        none."""
+        would have been drafted at that step's start (`DecodeState.unchecked`), once
+        the Ll - 1 tokens they are compared with have come. Optional: a `TreeChoice`
+        without `hindsight` gets none."""
         ask = getattr(self.policy, "hindsight", None)
         if ask is None:
             return None
-        known = np.array(state.cache.host_lengths) + 1  # (B,) the root included
-        rows = [self._rows[i] for i in state.row_ids]
+        known = np.array(state.cache.host_lengths)[:, None] + 1  # (B, 1) the root included
         if not verifies_lookup:  # a step that verifies them is observed directly
-            for row, length in zip(rows, known):
-                row.unchecked = [*row.unchecked, int(length)][-HINDSIGHT_KEPT:]
+            state.unchecked = np.concatenate([state.unchecked[:, 1:], known], axis=1)  # (B, K)
         lookup_tree = ask(tree)
         if lookup_tree is None or state.history.shape[1] < lookup_tree.lookup_branch_length:
             return None
         span = lookup_tree.lookup_branch_length - 1  # tokens a branch is compared with
-        where, lengths = [], []  # (M,) batch position and history length then + span
-        for position, (row, length) in enumerate(zip(rows, known)):
-            ready = [s for s in row.unchecked if s + span <= length]
-            row.unchecked = [s for s in row.unchecked if s + span > length]
-            for start in ready:
-                if start >= len(row.request.prompt):
-                    where.append(position)
-                    lengths.append(start + span)
-        if not where:
+        starts = state.unchecked  # (B, K) every start is past its row's prompt
+        ready = (starts >= 0) & (starts + span <= known)  # (B, K)
+        state.unchecked = np.where(ready, -1, starts)
+        where, column = np.nonzero(ready)  # (M,) batch position and slot, row by row
+        if not where.size:
             return None
+        lengths = starts[where, column] + span  # (M,) history length then + span
         table = self.drafter.ngrams if self.drafter is not None else None
         fallback = partial(table_branches, table) if table and lookup_tree.lookup_table else None
-        history = state.history[mx.array(where, dtype=mx.int32)]  # (M, T)
+        history = state.history[mx.array(where.astype(np.int32))]  # (M, T)
         count, ngram = lookup_tree.lookup_branches, lookup_tree.lookup_ngram
-        past = mx.array(lengths, dtype=mx.int32)  # (M,)
+        past = mx.array(lengths.astype(np.int32))  # (M,)
         runs = hindsight_runs(history, past, count, span + 1, ngram, fallback)  # (M, G)
         state.ride(runs)
         return runs, lookup_tree

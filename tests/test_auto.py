@@ -793,3 +793,53 @@ def _prefix(beams, tree, node, depth):
         if unpack[w, depth] == node:
             return tuple(int(t) for t in np.array(beams[0, w, : depth + 1]))
     return None  # padding
+
+
+def test_hindsight_follows_each_row_as_rows_leave_and_join(trained_llama, monkeypatch):
+    """In a batch whose rows end at different steps and which a request joins while
+    it decodes, every hindsight row is one request's text at one of its own step
+    starts: each start is checked once, none before its row's prompt ends, and every
+    start whose Ll - 1 following tokens came before the row left is checked."""
+    from mlx_redrafter import session as session_module
+
+    searched = []  # (history (M, T), lengths (M,)) of every hindsight search
+
+    def recording(history, lengths, *args):
+        searched.append((np.array(history), np.array(lengths)))
+        return hindsight_runs(history, lengths, *args)
+
+    monkeypatch.setattr(session_module, "hindsight_runs", recording)
+    model, _, prompts = trained_llama
+    auto = Checked(
+        synthetic(lambda n: 0.010 * (1 + 3.0 * (n - 1))), candidate_trees(False), LOOKUP_PRIOR
+    )
+    session = DecodingSession(model, None, tree=auto)
+    texts = {i: (prompts[i] * 6)[: 30 + 5 * i] for i in range(3)}
+    limits = {0: 20, 1: 50, 2: 30}
+    session.add([Request(texts[i], stop=StopConfig(limits[i])) for i in (0, 1)], ids=[0, 1])
+    made = {i: 0 for i in texts}
+    prompt_lengths = {i: len(t) for i, t in texts.items()}
+    joined = False
+    while session.active:
+        if made[1] == 8 and not joined:
+            joined = True
+            session.add([Request(texts[2], stop=StopConfig(limits[2]))], ids=[2])
+        for update in session.step():
+            texts[update.request] = texts[update.request] + update.tokens
+            made[update.request] += len(update.tokens)
+    assert made == limits
+    span = auto._hindsight.lookup_branch_length - 1
+    checked = []  # (request, start) of every hindsight row
+    for history, lengths in searched:
+        for row, length in zip(history, lengths):
+            owners = [i for i, t in texts.items() if list(row[:length]) == t[:length]]
+            assert len(owners) == 1
+            start = int(length) - span
+            assert start >= prompt_lengths[owners[0]]
+            checked.append((owners[0], start))
+    assert len(checked) == len(set(checked))  # no start twice
+    for i, limit in limits.items():
+        starts = sorted(s for owner, s in checked if owner == i)
+        first = prompt_lengths[i]
+        assert starts == list(range(first, first + len(starts)))  # none skipped
+        assert limit - span - 4 <= len(starts) <= limit - span + 1  # all but the last few

@@ -19,6 +19,7 @@ from mlx_redrafter.bench import (
     write_result,
 )
 from mlx_redrafter.bench_plots import write_plots
+from mlx_redrafter.calibrate import device_name
 from mlx_redrafter.commands.bench import parse_sizes
 from mlx_redrafter.commands.common import describe_tree, parse_tree, parse_trees
 from mlx_redrafter.config import PLAIN_DECODING, SamplingConfig, TreeConfig
@@ -153,6 +154,9 @@ def test_the_auto_tree_reports_the_trees_it_used(result):
 def test_environment_and_slow_blas_warning():
     env = environment()
     assert env["matmul_gflops_fp32"] > 0
+    assert env["device_name"] == device_name()  # the machine's model, as calibrations key it
+    if sys.platform == "linux" and env["backend"] == "cpu":
+        assert env["device_name"].endswith(f":{os.cpu_count()} cores")
     preloaded = os.environ.get("LD_PRELOAD", "")
     if sys.platform == "linux" and "sgemm_router" in preloaded:
         # The router's two libraries are loaded once a matmul has run.

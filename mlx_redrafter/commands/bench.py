@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     env = result["environment"]
     print(
         f"{len(prompts)} prompts x {config.max_tokens} tokens, {env['backend']} "
-        f"({env['device']}), fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s, "
+        f"({env['device_name']}), fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s, "
         f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
     )
     print(format_table(result))

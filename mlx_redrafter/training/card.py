@@ -128,7 +128,7 @@ def _metrics(report: dict[str, Any], evaluation: dict[str, Any]) -> str:
     lines += [
         "",
         f"Held-out prompts, {bench['config']['prompts']} x {bench['config']['max_tokens']} "
-        f"tokens, greedy, one process ({env['backend']}, {env['cpu_count']} cores, MLX "
+        f"tokens, greedy, one process ({env.get('device_name', env['backend'])}, MLX "
         f"{env['mlx']}, mlx-lm {env['mlx_lm']}; BLAS: "
         f"{'preloaded ' + env['ld_preload'] if env['ld_preload'] else 'MLX default'}; "
         f"fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s):",
