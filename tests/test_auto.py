@@ -825,6 +825,7 @@ def test_hindsight_follows_each_row_as_rows_leave_and_join(trained_llama, monkey
             joined = True
             session.add([Request(texts[2], stop=StopConfig(limits[2]))], ids=[2])
         for update in session.step():
+            assert update.tree == PLAIN_DECODING  # every step is checked in hindsight
             texts[update.request] = texts[update.request] + update.tokens
             made[update.request] += len(update.tokens)
     assert made == limits

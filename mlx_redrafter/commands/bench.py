@@ -200,8 +200,8 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr)
     env = result["environment"]
     print(
-        f"{len(prompts)} prompts x {config.max_tokens} tokens, {env['backend']} "
-        f"({env['device_name']}), fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s, "
+        f"{len(prompts)} prompts x {config.max_tokens} tokens, {env['device_name']}, "
+        f"fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s, "
         f"mlx {env['mlx']}, mlx-lm {env['mlx_lm']}"
     )
     print(format_table(result))

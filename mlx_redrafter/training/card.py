@@ -125,10 +125,11 @@ def _metrics(report: dict[str, Any], evaluation: dict[str, Any]) -> str:
         )
     bench = evaluation["bench"]
     env = bench["environment"]
+    machine = env.get("device_name") or f"{env['backend']}, {env['cpu_count']} cores"
     lines += [
         "",
         f"Held-out prompts, {bench['config']['prompts']} x {bench['config']['max_tokens']} "
-        f"tokens, greedy, one process ({env.get('device_name', env['backend'])}, MLX "
+        f"tokens, greedy, one process ({machine}, MLX "
         f"{env['mlx']}, mlx-lm {env['mlx_lm']}; BLAS: "
         f"{'preloaded ' + env['ld_preload'] if env['ld_preload'] else 'MLX default'}; "
         f"fp32 matmul {env['matmul_gflops_fp32']} GFLOP/s):",
