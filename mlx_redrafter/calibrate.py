@@ -98,7 +98,10 @@ class Calibration:
 
     def verify_seconds(self, num_packed: np.ndarray, context: int) -> np.ndarray:
         """Verification cost of N packed tokens (any shape) at context length T,
-        interpolated linearly in N and in T (extrapolated past the measured range)."""
+        interpolated linearly in N and in T (extrapolated past the measured range).
+        A longer context never costs less: where noise made the longest band cheaper
+        than the shortest, the longest takes the shortest's cost (extrapolating past
+        it in T would otherwise fall towards zero)."""
         curves = [np.interp(num_packed, self.sizes, row) for row in self.verify]
         curves += [_extrapolate(num_packed, self.sizes, row) for row in self.verify]
         beyond = np.asarray(num_packed) > self.sizes[-1]
@@ -110,7 +113,8 @@ class Calibration:
             return per_band[0]
         low, high = self.contexts[0], self.contexts[-1]
         weight = (context - low) / (high - low)  # linear in T: attention reads T keys
-        return np.maximum(per_band[0] + weight * (per_band[-1] - per_band[0]), 1e-6)
+        longest = np.maximum(per_band[-1], per_band[0])
+        return np.maximum(per_band[0] + weight * (longest - per_band[0]), 1e-6)
 
     def draft_seconds(self, width: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The drafter's beam search cost for W beams of L tokens (0 for W = 0 or L < 2)."""

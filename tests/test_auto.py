@@ -690,6 +690,19 @@ def test_the_prefill_chunk_fits_the_latency_from_the_calibrated_cost():
     assert prefill_chunk(noisy, 0.5) == 320  # 0.09 s x N / 64 <= 0.5 s
 
 
+def test_a_longer_context_never_costs_less_than_a_shorter_one():
+    """Bands capped by a small model's positions (256, 448 here), the longer one timed
+    cheaper by noise: a context past both costs what the shorter band does, not a
+    cost extrapolated towards zero (which made any prefill chunk look free)."""
+    cheaper = tuple(0.0008 * n for n in SIZES)  # the 448 band, below the 256 band's
+    bands = replace(synthetic(lambda n: 0.001 * n), contexts=(256, 448))
+    bands = replace(bands, verify=(bands.verify[0], cheaper))
+    sizes = np.array([1, 16, 64, 512])
+    assert bands.verify_seconds(sizes, 1024) == pytest.approx(0.001 * sizes)
+    assert bands.verify_seconds(sizes, 256) == pytest.approx(0.001 * sizes)
+    assert prefill_chunk(bands, 1e-6) == 64
+
+
 # -- acceptance tables ---------------------------------------------------------------------
 
 
