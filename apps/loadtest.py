@@ -579,8 +579,8 @@ def stall(args: argparse.Namespace) -> int:
             result = measure_stall(model, drafter, tokenizer, length, size, args.arrival)
             label = "whole" if size is None else f"chunks of {size}"
             print(
-                f"| {length} | {label} | {result.longest_pause:.2f} "
-                f"| {result.short_first_token:.2f} | {result.first_token:.2f} |",
+                f"| {length} | {label} | {result.longest_pause:.3f} "
+                f"| {result.short_first_token:.3f} | {result.first_token:.3f} |",
                 flush=True,
             )
     return 0

@@ -73,7 +73,9 @@ def test_stall_times_a_short_request_arriving_during_a_long_prefill(
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
     rows = [row for row in rows if row[0] == "| 200"]
     assert [row[1] for row in rows] == ["whole", "chunks of 64"]
-    assert all(float(value.strip(" |")) > 0 for row in rows for value in row[2:])
+    # Seconds, in ms: a tiny model's pauses may round to 0, its prefill does not.
+    assert all(float(value.strip(" |")) >= 0 for row in rows for value in row[2:])
+    assert all(float(row[-1].strip(" |")) > 0 for row in rows)
 
 
 def test_bad_input_gets_an_error_not_a_traceback(trained_llama, tmp_path, capsys):
