@@ -81,7 +81,7 @@ def prompts() -> list[str]:
 
 
 def untrained_drafter(model: Any) -> Drafter:
-    """A drafter of the shipped shape (a draft vocabulary of at most 2048 tokens, a small one)."""
+    """An untrained drafter of a small shape (a draft vocabulary of at most 2048 tokens)."""
     hidden, vocab = (int(n) for n in model.model.embed_tokens.weight.shape[::-1])
     return Drafter.create(model, exit_dim=hidden, draft_vocab_size=min(2048, vocab))
 

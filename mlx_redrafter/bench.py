@@ -48,7 +48,7 @@ from .config import (
     TreeConfig,
     tree_label,
 )
-from .decode import PhaseClock
+from .decode import PhaseClock, plan_step
 from .drafter import Drafter
 from .generate import stream_batch, stream_generate
 from .metrics import acceptance_by_depth, accepted_counts, throughput, tokens_per_step
@@ -97,8 +97,8 @@ BASELINE = Method("mlx-lm", None)
 def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
     methods = [BASELINE, Method("plain", PLAIN_DECODING)]
     for tree in config.trees:
-        lookup = isinstance(tree, str) or tree.lookup_branches > 0  # else plain decoding
-        if has_drafter and config.without_drafter and lookup:
+        speculates = isinstance(tree, str) or not plan_step(tree, False).plain
+        if has_drafter and config.without_drafter and speculates:
             label = tree if isinstance(tree, str) else tree.label
             alone = tree if isinstance(tree, str) else tree.lookup_only  # lookup branches
             methods.append(Method(f"redrafter {label} no drafter", alone, False))

@@ -71,11 +71,10 @@ class DecodeState:
     drafted: tuple[StepFunctions, mx.array] | None = None
     ahead: PlainForward | None = None
     riders: list[mx.array] = field(default_factory=list)
-    unchecked: np.ndarray = field(default_factory=lambda: np.zeros((0, HINDSIGHT_KEPT), np.int64))
+    unchecked: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        if len(self.unchecked) != len(self.row_ids):
-            self.unchecked = np.full((len(self.row_ids), HINDSIGHT_KEPT), -1, dtype=np.int64)
+        self.unchecked = np.full((len(self.row_ids), HINDSIGHT_KEPT), -1, dtype=np.int64)
 
     def ride(self, *arrays: mx.array) -> None:
         """Have the next step evaluate these arrays with its own work."""
