@@ -1,6 +1,16 @@
 """Beam search in the drafter.
 
 Shapes: B batch, W beam width, L beam length, D hidden size, Vd draft vocabulary.
+
+A sampled row drafts with the target's own noise (`Coupling`): the target samples
+the token at position p as argmax(w + g_p), with Gumbel noise g_p fixed by the row's
+key and p (`sampling.position_noise`). Scoring the drafter's candidates for p with
+its log-weights q / T plus that same g_p makes its best guess the token the target
+will draw whenever the two perturbed argmaxes agree: always when q = p, where an
+unperturbed guess (the drafter's argmax) is accepted with probability p(argmax) only.
+The target's choices are untouched, so the output stays exactly plain sampling.
+Beam scores then add the log-softmax of the perturbed logits: how clearly each
+candidate wins the perturbed contest at its position.
 """
 
 from __future__ import annotations
@@ -24,6 +34,18 @@ class Expansion(NamedTuple):
     scores: mx.array
     parents: mx.array
     draft_tokens: mx.array
+
+
+class Coupling(NamedTuple):
+    """The target's sampling noise for the positions a beam search drafts.
+
+    scale: (B,) 1 / temperature of each row (1 for a greedy row).
+    noise: (B, L-1, Vd) the Gumbel noise of the target's sample at the position each
+        drafted token takes, on the draft vocabulary (0 for a greedy row).
+    """
+
+    scale: mx.array
+    noise: mx.array
 
 
 def expand_beams(scores: mx.array, logits: mx.array) -> Expansion:
@@ -75,6 +97,7 @@ def beam_search(
     beam_width: int,
     beam_length: int,
     expand: Callable[[mx.array, mx.array], Expansion] = expand_beams,
+    coupling: Coupling | None = None,
 ) -> mx.array:
     """Draft W candidate continuations of length L for every row.
 
@@ -82,6 +105,8 @@ def beam_search(
     hidden: (B, D) target hidden state at the last committed position.
     root_tokens: (B,) the target's own next token; it opens every beam.
     expand: the expansion step (`expand_beams`, or a kernel with identical results).
+    coupling: for sampled rows, the target's noise at the drafted positions: each
+        step scores the candidates with logits * scale + noise (module docstring).
     Returns beams (B, W, L) int32 target token ids, best beam first.
 
     Scores start at [0, -inf, ...] so the first expansion grows beam 0 only and
@@ -98,9 +123,12 @@ def beam_search(
     state = mx.zeros((batch_size, beam_width, hidden_size), dtype=hidden.dtype)  # (B, W, D)
     beam_hidden = mx.broadcast_to(hidden[:, None, :], state.shape)  # (B, W, D)
     last_tokens = beams[:, :, 0]  # (B, W)
-    for _ in range(beam_length - 1):
+    for depth in range(beam_length - 1):
         state = drafter.recurrent_step(state, embed(last_tokens))  # (B, W, D)
         logits = drafter.draft_logits(beam_hidden, state)  # (B, W, Vd)
+        if coupling is not None:
+            scale, noise = coupling.scale[:, None, None], coupling.noise[:, None, depth]
+            logits = logits.astype(mx.float32) * scale + noise  # (B, W, Vd)
         scores, parents, draft_tokens = expand(scores, logits)  # (B, W) each
         tokens = drafter.to_target_ids(draft_tokens).astype(mx.int32)  # (B, W)
         beams = mx.take_along_axis(beams, parents[:, :, None], axis=1)  # (B, W, k)

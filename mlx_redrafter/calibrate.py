@@ -333,7 +333,7 @@ def _draft_costs(
         for length in (2, 4):
             steps = step_functions(model, drafter, TreeConfig(width, length))
             draft = steps.draft
-            costs.append(_time(lambda: draft(hidden, root), repeats))  # noqa: B023
+            costs.append(_time(lambda: draft(hidden, root, None), repeats))  # noqa: B023
         first.append(costs[0])
         level.append(max(costs[1] - costs[0], 0.0) / 2)
     return widths, tuple(first), tuple(level)
@@ -353,12 +353,16 @@ def _lookup_cost(model: nn.Module, drafter: Drafter | None, context: int, repeat
 
 def _sample_cost(model: nn.Module, repeats: int, nodes: int = 16) -> float:
     """Seconds per node of sampling a token (temperature 1) rather than taking the argmax."""
-    from .sampling import choose_tokens, position_keys
+    from .sampling import choose_tokens, position_keys, position_noise
 
     vocab = int(model.model.embed_tokens.weight.shape[0])
     logits = mx.random.normal((1, nodes, vocab), key=mx.random.key(2))  # (1, N, V)
     keys = position_keys(mx.random.key(3)[None], mx.arange(nodes, dtype=mx.int32)[None])
-    sampled = _time(lambda: choose_tokens(logits, SamplingConfig(1.0), keys), repeats)
+
+    def sample() -> mx.array:  # the noise of N positions is drawn, then used
+        return choose_tokens(logits, SamplingConfig(1.0), position_noise(keys, vocab))
+
+    sampled = _time(sample, repeats)
     greedy = _time(lambda: choose_tokens_quickly(logits, GREEDY, None), repeats)
     return max(sampled - greedy, 0.0) / nodes
 

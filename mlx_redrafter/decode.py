@@ -22,15 +22,21 @@ import mlx.nn as nn
 import numpy as np
 
 from .accept import Acceptance
-from .beam_search import beam_search
+from .beam_search import Coupling, beam_search
 from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
 from .logprobs import EmittedLogprobs, TokenLogprob, emitted_logprobs
 from .lookup import lookup_branches
 from .ngrams import table_branches
-from .sampling import choose_tokens, choose_tokens_quickly, position_keys, scramble_keys
-from .target import TargetCache, target_forward, target_hidden
+from .sampling import (
+    choose_tokens,
+    choose_tokens_quickly,
+    position_keys,
+    position_noise,
+    scramble_keys,
+)
+from .target import TargetCache, output_size, target_forward, target_hidden
 from .tree import PackedTree, chain_tree, pad_beams
 
 HINDSIGHT_KEPT = 64  # most unchecked step starts a row keeps for a hindsight check
@@ -59,6 +65,9 @@ class DecodeState:
         starts of the latest steps that verified no lookup branches and are not
         checked in hindsight yet, oldest first; -1 where there is none
         (`DecodingSession._hindsight`).
+    drawn: (B, K, V) the sampling noise of the K positions from each row's root on,
+        drawn to draft the next tree (`Coupling`) and reused to verify it; None
+        after a commit or a change of rows until then.
     """
 
     cache: TargetCache
@@ -71,6 +80,7 @@ class DecodeState:
     drafted: tuple[StepFunctions, mx.array] | None = None
     ahead: PlainForward | None = None
     riders: list[mx.array] = field(default_factory=list)
+    drawn: mx.array | None = None
     unchecked: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,10 +121,11 @@ class DecodeState:
         self.keys = self.keys[index]
         self.history = self.history[index]
         self.unchecked = self.unchecked[rows]
+        self.drawn = None if self.drawn is None else self.drawn[index]
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
-        self.drafted, self.ahead = None, None
+        self.drafted, self.ahead, self.drawn = None, None, None
         self.cache.extend(other.cache)
         self.root_tokens = mx.concatenate([self.root_tokens, other.root_tokens])
         self.hidden = mx.concatenate([self.hidden, other.hidden.astype(self.hidden.dtype)])
@@ -130,6 +141,7 @@ class DecodeState:
     def record(self, tokens: mx.array) -> None:
         """Append a step's emitted tokens (B, L) to the history, after each row's root
         (call before the cache commits; entries past a row's emitted count are stale)."""
+        self.drawn = None  # the roots move on: the noise drawn was for the old ones
         needed = self.cache.frontier + 1 + tokens.shape[1]
         if needed > self.history.shape[1]:
             self.history = _widen(self.history, _round_up(needed))
@@ -142,11 +154,33 @@ class DecodeState:
         slots = self.cache.lengths[:, None]  # (B, 1)
         self.history = mx.put_along_axis(self.history, slots, roots[:, None], axis=1)
 
-    def node_keys(self, positions: mx.array) -> mx.array | None:
-        """(B, N, 2) PRNG keys of the nodes at `positions` (B, N); None if all greedy."""
+    def noise_from_root(self, count: int, vocab_size: int) -> mx.array:
+        """(B, count, V) the sampling noise of the `count` positions from each row's
+        root on (its committed length): drawn once per position and step, the ones
+        already drawn (`drawn`) reused."""
+        drawn = self.drawn[:, :count] if self.drawn is not None else None  # (B, K, V)
+        have = 0 if drawn is None else drawn.shape[1]
+        if drawn is not None and have == count:
+            return drawn
+        offsets = mx.arange(have, count, dtype=mx.int32)
+        positions = self.cache.lengths[:, None] + offsets[None]  # (B, count - K)
+        fresh = position_noise(position_keys(self.keys, positions), vocab_size)
+        return fresh if drawn is None else mx.concatenate([drawn, fresh], axis=1)
+
+    def node_noise(self, depths: mx.array, count: int, vocab_size: int) -> mx.array | None:
+        """(B, N, V) the sampling noise of each node at `depths` (B, N) past the root,
+        all below `count` (one draw per position, shared by the nodes there); None if
+        all greedy."""
         if all(rule.greedy for rule in self.sampling):
             return None
-        return position_keys(self.keys, positions)
+        batch_size, num_nodes = depths.shape
+        per_position = self.noise_from_root(count, vocab_size)  # (B, count, V)
+        if count == 1:
+            return mx.broadcast_to(per_position, (batch_size, num_nodes, vocab_size))
+        rows = mx.arange(batch_size, dtype=mx.int32)[:, None] * count  # (B, 1)
+        flat = per_position.reshape(batch_size * count, vocab_size)  # (B*count, V)
+        nodes = flat[(rows + depths).reshape(-1)]  # (B*N, V)
+        return nodes.reshape(batch_size, num_nodes, vocab_size)  # (B, N, V)
 
 
 @dataclass(frozen=True)
@@ -363,8 +397,10 @@ def plan_step(tree: TreeConfig, has_drafter: bool) -> StepPlan:
 class StepFunctions:
     """The per-step device functions of one `StepPlan`, built once.
 
-    draft: (hidden (B, D), root_tokens (B,)) -> the drafter's beams (B, W, L)
+    draft: (hidden (B, D), root_tokens (B,), coupling) -> the drafter's beams (B, W, L)
         (one beam of the root repeated when there are none)
+    coupling: state -> the target's sampling noise where the beams draft (`Coupling`),
+        None when no row samples or nothing is drafted
     lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, max(L, Ll)),
         the drafter's beams then G lookup branches, the shorter ones padded with
         ABSENT; None without lookup branches
@@ -374,7 +410,8 @@ class StepFunctions:
     """
 
     plan: StepPlan
-    draft: Callable[[mx.array, mx.array], mx.array]
+    draft: Callable[[mx.array, mx.array, Coupling | None], mx.array]
+    coupling: Callable[[DecodeState], Coupling | None]
     lookup: Callable[[mx.array, mx.array, mx.array], mx.array] | None
     pack: Callable[[mx.array], PackedTree]
     accept: Callable[[mx.array, mx.array, mx.array, mx.array], Acceptance]
@@ -404,6 +441,7 @@ def step_functions(
     compiled = compile_by_default() if compiled is None else compiled
     ops = select_kernels(kernels)
     draft = _drafter_beams(model, drafter, plan, ops, compiled)
+    coupling = _coupling(model, drafter, plan)
     lookup = _lookup(drafter, plan)
     num_packed, share_prefixes = plan.num_packed, plan.share_prefixes
 
@@ -412,16 +450,17 @@ def step_functions(
 
     if compiled:
         return StepFunctions(
-            plan, draft, lookup, mx.compile(pack), mx.compile(ops.accept), ops.backend
+            plan, draft, coupling, lookup, mx.compile(pack), mx.compile(ops.accept), ops.backend
         )
-    return StepFunctions(plan, draft, lookup, pack, ops.accept, ops.backend)
+    return StepFunctions(plan, draft, coupling, lookup, pack, ops.accept, ops.backend)
 
 
 def _drafter_beams(
     model: nn.Module, drafter: Drafter | None, plan: StepPlan, ops: Kernels, compiled: bool
-) -> Callable[[mx.array, mx.array], mx.array]:
-    """The draft function: beam search in the drafter, or the root repeated (the
-    lookup's fallback, or plain decoding's one-token tree)."""
+) -> Callable[[mx.array, mx.array, Coupling | None], mx.array]:
+    """The draft function: beam search in the drafter (coupled with the target's noise
+    for sampled rows), or the root repeated (the lookup's fallback, or plain
+    decoding's one-token tree)."""
     if drafter is None or not plan.drafts:
         return _repeat_root(plan.lookup_length if plan.lookup_branches else 1)
     embed = model.model.embed_tokens
@@ -430,9 +469,50 @@ def _drafter_beams(
     def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
         return beam_search(drafter, embed, hidden, root_tokens, width, length, expand=ops.expand)
 
+    def coupled(
+        hidden: mx.array, root_tokens: mx.array, scale: mx.array, noise: mx.array
+    ) -> mx.array:
+        coupling = Coupling(scale, noise)
+        return beam_search(drafter, embed, hidden, root_tokens, width, length, ops.expand, coupling)
+
     if compiled:
-        return mx.compile(search, inputs=[drafter.state, embed.state])
-    return search
+        search = mx.compile(search, inputs=[drafter.state, embed.state])
+        coupled = mx.compile(coupled, inputs=[drafter.state, embed.state])
+
+    def draft(hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None) -> mx.array:
+        if coupling is None:
+            return search(hidden, root_tokens)
+        return coupled(hidden, root_tokens, coupling.scale, coupling.noise)
+
+    return draft
+
+
+def _coupling(
+    model: nn.Module, drafter: Drafter | None, plan: StepPlan
+) -> Callable[[DecodeState], Coupling | None]:
+    """The function giving a step's `Coupling`: the noise of the target's samples at the
+    positions the drafter's beams draft, on its draft vocabulary (beam_search.py)."""
+    if drafter is None or not plan.drafts:
+        return lambda state: None
+    vocab_size, drafted = output_size(model), plan.tree.beam_length - 1
+    draft_ids = drafter.draft_vocab_ids if drafter.config.draft_vocab_size is not None else None
+
+    def coupling(state: DecodeState) -> Coupling | None:
+        if all(rule.greedy for rule in state.sampling):
+            return None
+        # The drafted token at depth d is the target's choice at the node of depth
+        # d - 1: sampled with the noise of that node's position, the root's + d - 1,
+        # which the verification of this tree reuses.
+        noise = state.noise_from_root(drafted, vocab_size)  # (B, L-1, V)
+        if state.drawn is None or state.drawn.shape[1] < drafted:
+            state.drawn = noise
+        if draft_ids is not None:
+            noise = noise[:, :, draft_ids]  # (B, L-1, Vd)
+        sampled = mx.array([not rule.greedy for rule in state.sampling])  # (B,)
+        scale = mx.array([1.0 / (rule.temperature or 1.0) for rule in state.sampling])
+        return Coupling(mx.where(sampled, scale, 1.0), mx.where(sampled[:, None, None], noise, 0.0))
+
+    return coupling
 
 
 def _lookup(
@@ -459,10 +539,10 @@ def _lookup(
     return lookup
 
 
-def _repeat_root(beam_length: int) -> Callable[[mx.array, mx.array], mx.array]:
+def _repeat_root(beam_length: int) -> Callable[[mx.array, mx.array, Coupling | None], mx.array]:
     """A draft without the drafter: the root repeated, (B, 1, L)."""
 
-    def draft(hidden: mx.array, root_tokens: mx.array) -> mx.array:
+    def draft(hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None) -> mx.array:
         shape = (root_tokens.shape[0], 1, beam_length)
         return mx.broadcast_to(root_tokens[:, None, None], shape)
 
@@ -493,7 +573,7 @@ class PhaseClock:
 def draft(steps: StepFunctions, state: DecodeState) -> mx.array:
     """The step's candidates: the drafter's beams, then the lookup branches,
     (B, W + G, L); the device work is lazy until evaluated."""
-    beams = steps.draft(state.hidden, state.root_tokens)  # (B, W, L)
+    beams = steps.draft(state.hidden, state.root_tokens, steps.coupling(state))  # (B, W, L)
     if steps.lookup is not None:
         # Draft (context lookup): G more branches from each row's own text.
         beams = steps.lookup(beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)
@@ -533,8 +613,9 @@ def decode_step(
     tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
-    keys = state.node_keys(state.cache.positions)  # (B, N, 2): by absolute position
-    choices, unsure = choose_tokens_quickly(logits, state.sampling, keys)  # (B, N), ()
+    # The noise of a sample is keyed by its absolute position: lengths + depth.
+    noise = state.node_noise(tree.depths, beams.shape[-1], logits.shape[-1])  # (B, N, V)
+    choices, unsure = choose_tokens_quickly(logits, state.sampling, noise)  # (B, N), ()
     if clock:
         clock.mark("verify", hidden, choices)
 
@@ -545,7 +626,7 @@ def decode_step(
     mx.eval(state.hidden, result, tree.num_tokens, unsure, _arrays(figures), state.take_riders())
     if unsure.item():
         # Rare: near-equal logits at some node; choose exactly as mlx-lm does.
-        result, figures = accept_choices(*walk, choose_tokens(logits, state.sampling, keys))
+        result, figures = accept_choices(*walk, choose_tokens(logits, state.sampling, noise))
         mx.eval(state.hidden, result, _arrays(figures))
     state.root_tokens = result.bonus_tokens
     state.record(result.tokens)
@@ -593,7 +674,7 @@ class PlainForward:
 
     hidden: mx.array  # (B, 1, D)
     logits: mx.array  # (B, 1, V)
-    keys: mx.array | None  # (B, 1, 2), None when every row is greedy
+    noise: mx.array | None  # (B, 1, V), None when every row is greedy
     choices: mx.array  # (B, 1) int32
     unsure: mx.array  # () bool: see `choose_tokens_quickly`
 
@@ -602,9 +683,10 @@ def plain_forward(model: nn.Module, state: DecodeState) -> PlainForward:
     """The target's forward over each row's root and its choice after it (lazy); the
     K/V of the roots land after each row's committed tokens, uncommitted."""
     hidden, logits = target_forward(model, state.cache, chain_tree(state.root_tokens[:, None]))
-    keys = state.node_keys(state.cache.positions)  # (B, 1, 2)
-    choices, unsure = choose_tokens_quickly(logits, state.sampling, keys)  # (B, 1), ()
-    return PlainForward(hidden, logits, keys, choices, unsure)
+    roots = mx.zeros((len(state.row_ids), 1), dtype=mx.int32)  # (B, 1) depth 0
+    noise = state.node_noise(roots, 1, logits.shape[-1])  # (B, 1, V)
+    choices, unsure = choose_tokens_quickly(logits, state.sampling, noise)  # (B, 1), ()
+    return PlainForward(hidden, logits, noise, choices, unsure)
 
 
 def launch_plain(model: nn.Module, state: DecodeState) -> None:
@@ -654,7 +736,7 @@ def plain_step(
     if forward.unsure.item():
         # Rare: near-equal logits; choose exactly as mlx-lm does, and if that changes
         # a token, drop the step launched ahead from the quick choice.
-        exact = choose_tokens(forward.logits, state.sampling, forward.keys)  # (B, 1)
+        exact = choose_tokens(forward.logits, state.sampling, forward.noise)  # (B, 1)
         if host_rows(exact) != tokens:
             tokens, state.ahead = host_rows(exact), None
             state.root_tokens = exact[:, 0]

@@ -79,43 +79,49 @@ def position_keys(row_keys: mx.array, positions: mx.array) -> mx.array:
     return mx.stack([first, second], axis=-1)
 
 
-def categorical_by_position(weights: mx.array, keys: mx.array) -> mx.array:
-    """Gumbel-max sampling with the noise of each node's key.
+def gumbel_max(weights: mx.array, noise: mx.array) -> mx.array:
+    """Gumbel-max sampling with the noise of each node's position.
 
-    weights: (B, N, V) unnormalized log-weights; keys: (B, N, 2) -> (B, N) int32.
-    With `position_keys`, the noise of a node depends only on its row's key and its
-    absolute position: the walk uses one node per position, so each emitted token is
-    an independent exact sample, and a seeded row emits the same tokens as plain
-    sampling with that seed, whatever the tree or the batch.
+    weights: (B, N, V) unnormalized log-weights; noise: (B, N, V) -> (B, N) int32.
+    With `position_noise` of `position_keys`, the noise of a node depends only on its
+    row's key and its absolute position: the walk uses one node per position, so each
+    emitted token is an independent exact sample, and a seeded row emits the same
+    tokens as plain sampling with that seed, whatever the tree or the batch.
     """
-    batch_size, num_tokens, vocab_size = weights.shape
+    return mx.argmax(weights + noise, axis=-1).astype(mx.int32)
+
+
+def position_noise(keys: mx.array, vocab_size: int) -> mx.array:
+    """The Gumbel noise a sample at each key's position adds to the log-weights:
+    the same bits wherever it is drawn (verification, or the drafter drafting the token
+    the target will sample there). (B, N, 2) keys -> (B, N, V)"""
+    batch_size, num_tokens = keys.shape[:2]
     flat_keys = keys.reshape(batch_size * num_tokens, 2)  # (B*N, 2)
     noise = mx.vmap(lambda key: mx.random.gumbel(shape=(vocab_size,), key=key))(flat_keys)
-    noise = noise.reshape(batch_size, num_tokens, vocab_size)  # (B, N, V)
-    return mx.argmax(weights + noise, axis=-1).astype(mx.int32)
+    return noise.reshape(batch_size, num_tokens, vocab_size)  # (B, N, V)
 
 
 def choose_tokens(
     logits: mx.array,
     sampling: SamplingConfig | Sequence[SamplingConfig],
-    keys: mx.array | None,
+    noise: mx.array | None,
 ) -> mx.array:
     """One target choice per node: argmax, or an independent sample.
 
     logits: (B, N, V); sampling: one config for all rows, or one per row;
-    keys: (B, N, 2) each node's PRNG key (`position_keys`; required when a row samples)
-    -> (B, N) int32
+    noise: (B, N, V) the Gumbel noise of each node's position (`position_noise`;
+    required when a row samples) -> (B, N) int32
     """
     if not isinstance(sampling, SamplingConfig):
         if len(set(sampling)) > 1:
-            return choose_tokens_per_row(logits, sampling, keys)
+            return choose_tokens_per_row(logits, sampling, noise)
         sampling = sampling[0]
     weights = target_distribution(logits, sampling)
     if sampling.greedy:
         return mx.argmax(weights, axis=-1).astype(mx.int32)
-    if keys is None:
-        raise ValueError("sampling needs PRNG keys")
-    return categorical_by_position(weights, keys)
+    if noise is None:
+        raise ValueError("sampling needs the nodes' noise")
+    return gumbel_max(weights, noise)
 
 
 def greedy_tokens(logits: mx.array) -> tuple[mx.array, mx.array]:
@@ -147,7 +153,7 @@ def greedy_tokens(logits: mx.array) -> tuple[mx.array, mx.array]:
 def choose_tokens_quickly(
     logits: mx.array,
     sampling: SamplingConfig | Sequence[SamplingConfig],
-    keys: mx.array | None,
+    noise: mx.array | None,
 ) -> tuple[mx.array, mx.array]:
     """`choose_tokens`, skipping the log-softmax when every row is greedy and the
     logits are fp32 (in half precision a rounding step is so coarse that near-ties are
@@ -159,11 +165,11 @@ def choose_tokens_quickly(
     rules = [sampling] if isinstance(sampling, SamplingConfig) else list(sampling)
     if logits.dtype == mx.float32 and all(rule.greedy for rule in rules):
         return greedy_tokens(logits)
-    return choose_tokens(logits, sampling, keys), mx.array(False)
+    return choose_tokens(logits, sampling, noise), mx.array(False)
 
 
 def choose_tokens_per_row(
-    logits: mx.array, configs: Sequence[SamplingConfig], keys: mx.array | None
+    logits: mx.array, configs: Sequence[SamplingConfig], noise: mx.array | None
 ) -> mx.array:
     """`choose_tokens` with each row's own temperature, top-p and top-k (one batch, mixed
     requests). The same rules, vectorized over rows; a top-k cut keeps every token tied
@@ -185,8 +191,8 @@ def choose_tokens_per_row(
         descending, mx.broadcast_to(top_k - 1, (*descending.shape[:2], 1)), axis=-1
     )  # (B, N, 1)
     filtered = mx.where(filtered < kth, -mx.inf, filtered)
-    if keys is None:
-        raise ValueError("sampling needs PRNG keys")
-    sampled = categorical_by_position(filtered / temperature, keys)
+    if noise is None:
+        raise ValueError("sampling needs the nodes' noise")
+    sampled = gumbel_max(filtered / temperature, noise)
     is_greedy = mx.array([c.greedy for c in configs])[:, None]  # (B, 1)
     return mx.where(is_greedy, greedy, sampled)

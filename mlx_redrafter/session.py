@@ -717,7 +717,9 @@ class DecodingSession:
         probe_tree = ask(tree)
         if probe_tree is None:
             return
-        beams = self.step_functions(probe_tree).draft(state.hidden, state.root_tokens)  # (B, W, L)
+        functions = self.step_functions(probe_tree)
+        coupling = functions.coupling(state)
+        beams = functions.draft(state.hidden, state.root_tokens, coupling)  # (B, W, L)
         state.ride(beams)
         self._probe = DraftProbe.start(probe_tree, state.row_ids, beams)
 

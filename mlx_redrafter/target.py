@@ -98,6 +98,13 @@ def output_logits(model: nn.Module, hidden: mx.array) -> mx.array:
     return logits
 
 
+def output_size(model: nn.Module) -> int:
+    """V: the number of logits `output_logits` gives per position (rows of the output
+    head, or of the tied embedding; quantized weights pack columns, never rows)."""
+    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+    return int(head.weight.shape[0])
+
+
 def prepare_target(model: nn.Module) -> nn.Module:
     """Check that `model` can be verified as a tree and adapt its rotary modules.
 

@@ -65,3 +65,30 @@ def test_matches_brute_force_on_random_inputs_with_ties(shape):
         result = expand_beams(mx.array(scores), mx.array(logits))
         flat = (result.parents * vocab + result.draft_tokens).tolist()
         assert flat == brute_force(scores, logits)
+
+
+def test_coupling_moves_only_the_sampled_rows_guesses():
+    """beam_search with a Coupling: a greedy row (scale 1, no noise) drafts exactly what
+    it drafts without one; a sampled row whose noise at a position favours a token by
+    far drafts that token there."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_models import VOCAB_SIZE, tiny_model
+
+    from mlx_redrafter.beam_search import Coupling, beam_search
+    from mlx_redrafter.drafter import Drafter
+
+    model = tiny_model("llama")
+    drafter = Drafter.create(model)
+    embed = model.model.embed_tokens
+    hidden = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(3))
+    roots = mx.array([5, 7])
+    alone = beam_search(drafter, embed, hidden, roots, 2, 4)
+    noise = mx.zeros((2, 3, VOCAB_SIZE))
+    noise[1, 1, 11] = 1e4  # the sampled row's second drafted position: token 11
+    coupling = Coupling(mx.array([1.0, 1 / 0.7]), noise)
+    coupled = beam_search(drafter, embed, hidden, roots, 2, 4, coupling=coupling)
+    assert coupled[0].tolist() == alone[0].tolist()
+    assert coupled[1, 0, 2].item() == 11

@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from conftest import decode_tokens
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
-from tiny_models import tiny_model
+from tiny_models import VOCAB_SIZE, tiny_model
 
 from mlx_redrafter.accept import accept
 from mlx_redrafter.beam_search import expand_beams
@@ -156,15 +156,17 @@ def test_unshared_tree_sampling_is_exact(small_vocab_target):
 
 
 def test_the_test_catches_inexact_acceptance(small_vocab_target):
-    """An acceptance that sometimes trusts the drafter over the target's own draw (here:
-    30% of rows take the drafter's first token at the root) must fail the same test."""
+    """An acceptance that sometimes replaces the target's own draw (here: 30% of rows
+    take their root token again at the root) must fail the same test. (Trusting the
+    drafter's best guess would not do: drafted with the target's own noise, it is
+    itself nearly a sample of the target's distribution.)"""
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
     expected = exact_distribution(model, sampling)
 
     def lenient_acceptance(beams, unpack, canonical, choices):
         trusted = mx.random.uniform(shape=(beams.shape[0],), key=mx.random.key(0)) < 0.3
-        root = mx.where(trusted, beams[:, 0, 1], choices[:, 0])
+        root = mx.where(trusted, beams[:, 0, 0], choices[:, 0])
         choices = mx.concatenate([root[:, None], choices[:, 1:]], axis=1)
         return accept(beams, unpack, canonical, choices)
 
@@ -296,3 +298,62 @@ def test_small_seeds_do_not_share_noise_across_positions():
     positions = mx.broadcast_to(mx.arange(64, dtype=mx.int32)[None], (64, 64))  # (64, 64)
     every = position_keys(rows, positions).reshape(-1, 2)  # (64 * 64, 2)
     assert len({tuple(key) for key in every.tolist()}) == 64 * 64
+
+
+def uniform_target_and_drafter(draft_vocab_ids=None):
+    """A tiny target whose every logit is 0 (final norm zeroed) and a drafter whose
+    head is zeroed: both distributions are uniform, at any temperature."""
+    model = prepare_target(tiny_model("llama"))
+    model.model.norm.weight = mx.zeros_like(model.model.norm.weight)
+    drafter = Drafter.create(model, draft_vocab_ids=draft_vocab_ids)
+    head = drafter.lm_head[-1]
+    head.weight = mx.zeros_like(head.weight)
+    return model, drafter
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("permuted", [False, True], ids=["full-vocab", "permuted-draft-vocab"])
+def test_sampled_rows_draft_with_the_targets_own_noise(temperature, permuted):
+    """Coupled drafting (beam_search.py): a sampled row's drafter scores each position's
+    candidates with the noise the target samples that position with. With the target
+    and the drafter both uniform, the target's sample is the argmax of that noise and so
+    is the drafter's guess: every drafted token is accepted (without the coupling, one
+    in V would be), on draft-vocabulary ids mapped back to target ids, and the output
+    is still exactly what plain sampling with the same seeds emits."""
+    vocab = VOCAB_SIZE
+    ids = list(reversed(range(vocab))) if permuted else None
+    model, drafter = uniform_target_and_drafter(ids)
+    rule = SamplingConfig(temperature=temperature)
+    keys = mx.stack([mx.random.key(seed) for seed in range(3)])
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    plain, _ = decode_tokens(model, None, prompts, TreeConfig(1, 1), 13, sampling=rule, key=keys)
+    assert len({tuple(p) for p in plain}) == 3  # the seeds sample differently
+    coupled, events = decode_tokens(model, drafter, prompts, TreeConfig(2, 4), 13, rule, keys)
+    assert coupled == plain
+    full_steps = [n for event in events[:-1] for n in event.num_accepted]
+    assert full_steps and all(n == 3 for n in full_steps), full_steps
+
+
+def test_each_position_draws_its_noise_once_and_verification_reuses_the_drafters():
+    """`DecodeState.node_noise`: every node gets the noise of its absolute position
+    (committed length + depth), nodes at one depth share one draw, and the noise the
+    drafter drew for the next tree (`drawn`) is what verifying that tree uses."""
+    from mlx_redrafter.config import CacheConfig
+    from mlx_redrafter.decode import prefill
+    from mlx_redrafter.sampling import position_keys, position_noise
+
+    model = prepare_target(tiny_model("llama"))
+    rule = SamplingConfig(temperature=0.8)
+    keys = mx.stack([mx.random.key(seed) for seed in (4, 5)])
+    state = prefill(model, [[1, 2, 3, 4], [5, 6]], CacheConfig(), rule, keys=keys)
+    depths = mx.array([[0, 1, 1, 2], [0, 1, 2, 2]])  # (B, N)
+    positions = state.cache.lengths[:, None] + depths  # (B, N)
+    expected = position_noise(position_keys(state.keys, positions), VOCAB_SIZE)  # (B, N, V)
+    assert mx.array_equal(state.node_noise(depths, 3, VOCAB_SIZE), expected).item()
+    drawn = state.noise_from_root(2, VOCAB_SIZE)  # what a 1x3 drafter draws
+    state.drawn = drawn * 0 + 7.0  # marked: reused, not drawn again
+    reused = state.node_noise(depths, 3, VOCAB_SIZE)
+    from_drawn = depths < 2  # depths 0 and 1 come from `drawn`, depth 2 is drawn now
+    assert mx.all(mx.where(from_drawn[..., None], reused == 7.0, reused == expected)).item()
+    state.record(mx.zeros((2, 1), dtype=mx.int32))  # a commit moves the roots on
+    assert state.drawn is None
