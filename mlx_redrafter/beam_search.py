@@ -5,9 +5,10 @@ Shapes: B batch, W beam width, L beam length, D hidden size, Vd draft vocabulary
 A sampled row drafts with the target's own noise (`Coupling`): the target samples
 the token at position p as argmax(w + g_p), with Gumbel noise g_p fixed by the row's
 key and p (`sampling.position_noise`). Scoring the drafter's candidates for p with
-its log-weights q / T plus that same g_p makes its best guess the token the target
-will draw whenever the two perturbed argmaxes agree: always when q = p, where an
-unperturbed guess (the drafter's argmax) is accepted with probability p(argmax) only.
+its log-weights q / T plus that same g_p makes its best guess at p (each token of a
+single beam; the first token of W beams) the token the target will draw whenever the
+two perturbed argmaxes agree: always when q = p, where an unperturbed guess (the
+drafter's argmax) is accepted with probability p(argmax) only.
 The target's choices are untouched, so the output stays exactly plain sampling.
 Beam scores then add the log-softmax of the perturbed logits: how clearly each
 candidate wins the perturbed contest at its position.

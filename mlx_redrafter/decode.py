@@ -67,7 +67,7 @@ class DecodeState:
         (`DecodingSession._hindsight`).
     drawn: (B, K, V) the sampling noise of the K positions from each row's root on,
         drawn to draft the next tree (`Coupling`) and reused to verify it; None
-        after a commit or a change of rows until then.
+        after a commit or when rows join, until then.
     """
 
     cache: TargetCache
@@ -613,7 +613,6 @@ def decode_step(
     tree = steps.pack(beams)
     # Verify: one target forward over the packed tokens.
     hidden, logits = target_forward(model, state.cache, tree)  # (B, N, D), (B, N, V)
-    # The noise of a sample is keyed by its absolute position: lengths + depth.
     noise = state.node_noise(tree.depths, beams.shape[-1], logits.shape[-1])  # (B, N, V)
     choices, unsure = choose_tokens_quickly(logits, state.sampling, noise)  # (B, N), ()
     if clock:
