@@ -463,11 +463,11 @@ class AutoTree:
         """The prior of steps at `temperature`: its rates (Kw + 1, Kg + 1, D) and the
         expected tokens (C,) of every candidate. Greedy steps take the greedy table,
         steps at or above the sampled table's temperature that table, and steps in
-        between the two mixed, the sampled one's share growing with the square of
-        the temperature: a sample is mostly the argmax at low temperatures, so
-        acceptance falls slowly there and faster towards the table's (at 0.7 of
-        it: 51 % greedy, 49 % sampled)."""
-        share = round(min(max(temperature, 0.0) / self._sampled_at, 1.0) ** 2, 2)
+        between the two mixed, the sampled one's share growing with the square root
+        of the temperature: acceptance falls fast from the argmax's as soon as the
+        target samples (at 0.7 of the table's temperature: 16 % greedy, 84 % sampled;
+        docs/auto-tree.md)."""
+        share = round(min(max(temperature, 0.0) / self._sampled_at, 1.0) ** 0.5, 2)
         if share not in self._priors:
             greedy, sampled = self._cubes
             mixed = (1 - share) * greedy + share * sampled  # (Kw + 1, Kg + 1, D)

@@ -38,7 +38,14 @@ from .distributed import agreed_seconds, agreed_values, all_ranks, sharding_grou
 from .drafter import Drafter
 from .files import write_json
 from .sampling import choose_tokens_quickly
-from .target import TargetCache, context_length, output_logits, prepare_target, target_hidden
+from .target import (
+    TargetCache,
+    context_length,
+    output_logits,
+    output_size,
+    prepare_target,
+    target_hidden,
+)
 from .tree import chain_tree
 
 DEPTH = 9  # deepest drafted token of any tree: a step emits at most DEPTH + 1 tokens
@@ -352,10 +359,13 @@ def _lookup_cost(model: nn.Module, drafter: Drafter | None, context: int, repeat
 
 
 def _sample_cost(model: nn.Module, repeats: int, nodes: int = 16) -> float:
-    """Seconds per node of sampling a token (temperature 1) rather than taking the argmax."""
+    """Seconds per node of sampling a token (temperature 1) rather than taking the argmax,
+    its noise drawn for every node. Decoding draws it once per position, so wide trees
+    are priced high; priced per position, the auto tree chose trees that measured slower
+    (docs/auto-tree.md)."""
     from .sampling import choose_tokens, position_keys, position_noise
 
-    vocab = int(model.model.embed_tokens.weight.shape[0])
+    vocab = output_size(model)
     logits = mx.random.normal((1, nodes, vocab), key=mx.random.key(2))  # (1, N, V)
     keys = position_keys(mx.random.key(3)[None], mx.arange(nodes, dtype=mx.int32)[None])
 

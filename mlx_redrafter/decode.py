@@ -13,6 +13,7 @@ the tree is the single root token, and every step emits the target's choice.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -66,8 +67,11 @@ class DecodeState:
         checked in hindsight yet, oldest first; -1 where there is none
         (`DecodingSession._hindsight`).
     drawn: (B, K, V) the sampling noise of the K positions from each row's root on,
-        drawn to draft the next tree (`Coupling`) and reused to verify it; None
-        after a commit or when rows join, until then.
+        kept by `noise_from_root` with the committed lengths it was drawn at
+        (`drawn_at`), so that the drafter's draw (`Coupling`) is reused to verify the
+        tree it drafted, and never once the roots have moved on; None when rows join.
+    all_greedy, sampled (B,) bool, inverse_temperature (B,): the rows' rules as the
+        step needs them (1 for greedy rows), made again when the rows change.
     """
 
     cache: TargetCache
@@ -81,10 +85,21 @@ class DecodeState:
     ahead: PlainForward | None = None
     riders: list[mx.array] = field(default_factory=list)
     drawn: mx.array | None = None
+    drawn_at: list[int] = field(default_factory=list)
     unchecked: np.ndarray = field(init=False)
+    all_greedy: bool = field(init=False)
+    sampled: mx.array = field(init=False)
+    inverse_temperature: mx.array = field(init=False)
 
     def __post_init__(self) -> None:
         self.unchecked = np.full((len(self.row_ids), HINDSIGHT_KEPT), -1, dtype=np.int64)
+        self._read_rules()
+
+    def _read_rules(self) -> None:
+        self.all_greedy = all(rule.greedy for rule in self.sampling)
+        self.sampled = mx.array([not rule.greedy for rule in self.sampling], dtype=mx.bool_)
+        inverse = [1.0 if rule.greedy else 1.0 / rule.temperature for rule in self.sampling]
+        self.inverse_temperature = mx.array(inverse, dtype=mx.float32)  # (B,)
 
     def ride(self, *arrays: mx.array) -> None:
         """Have the next step evaluate these arrays with its own work."""
@@ -121,7 +136,9 @@ class DecodeState:
         self.keys = self.keys[index]
         self.history = self.history[index]
         self.unchecked = self.unchecked[rows]
-        self.drawn = None if self.drawn is None else self.drawn[index]
+        if self.drawn is not None:
+            self.drawn, self.drawn_at = self.drawn[index], [self.drawn_at[r] for r in rows]
+        self._read_rules()
 
     def extend(self, other: DecodeState) -> None:
         """Append the rows of `other` (freshly prefilled requests joining the batch)."""
@@ -133,6 +150,7 @@ class DecodeState:
         self.sampling = self.sampling + other.sampling
         self.keys = mx.concatenate([self.keys, other.keys])
         self.unchecked = np.concatenate([self.unchecked, other.unchecked])
+        self._read_rules()
         capacity = max(self.history.shape[1], other.history.shape[1])
         self.history = mx.concatenate(
             [_widen(self.history, capacity), _widen(other.history, capacity)]
@@ -141,7 +159,7 @@ class DecodeState:
     def record(self, tokens: mx.array) -> None:
         """Append a step's emitted tokens (B, L) to the history, after each row's root
         (call before the cache commits; entries past a row's emitted count are stale)."""
-        self.drawn = None  # the roots move on: the noise drawn was for the old ones
+        self.drawn = None  # the roots move on (`drawn_at` would refuse it anyway): free it
         needed = self.cache.frontier + 1 + tokens.shape[1]
         if needed > self.history.shape[1]:
             self.history = _widen(self.history, _round_up(needed))
@@ -156,22 +174,25 @@ class DecodeState:
 
     def noise_from_root(self, count: int, vocab_size: int) -> mx.array:
         """(B, count, V) the sampling noise of the `count` positions from each row's
-        root on (its committed length): drawn once per position and step, the ones
-        already drawn (`drawn`) reused."""
-        drawn = self.drawn[:, :count] if self.drawn is not None else None  # (B, K, V)
-        have = 0 if drawn is None else drawn.shape[1]
+        root on (its committed length): drawn once per position and step, and kept
+        (`drawn`) with the lengths it was drawn at, to be reused while they hold."""
+        current = self.drawn is not None and self.drawn_at == self.cache.host_lengths
+        drawn = self.drawn[:, :count] if current and self.drawn is not None else None
+        have = 0 if drawn is None else drawn.shape[1]  # K
         if drawn is not None and have == count:
             return drawn
         offsets = mx.arange(have, count, dtype=mx.int32)
         positions = self.cache.lengths[:, None] + offsets[None]  # (B, count - K)
         fresh = position_noise(position_keys(self.keys, positions), vocab_size)
-        return fresh if drawn is None else mx.concatenate([drawn, fresh], axis=1)
+        noise = fresh if drawn is None else mx.concatenate([drawn, fresh], axis=1)
+        self.drawn, self.drawn_at = noise, list(self.cache.host_lengths)
+        return noise
 
     def node_noise(self, depths: mx.array, count: int, vocab_size: int) -> mx.array | None:
         """(B, N, V) the sampling noise of each node at `depths` (B, N) past the root,
         all below `count` (one draw per position, shared by the nodes there); None if
         all greedy."""
-        if all(rule.greedy for rule in self.sampling):
+        if self.all_greedy:
             return None
         batch_size, num_nodes = depths.shape
         per_position = self.noise_from_root(count, vocab_size)  # (B, count, V)
@@ -419,9 +440,37 @@ class StepFunctions:
 
 
 def compile_by_default() -> bool:
-    """Compile the hot path on the GPU (Metal), where fusing many small kernels pays;
-    on the CPU backend it measured no gain (docs/performance.md)."""
-    return mx.default_device() == mx.gpu
+    """Compile the draft, lookup, pack and accept functions on every backend: each
+    small op costs a kernel launch on the GPU and a dispatch on the host of the CPU
+    backend, and compiling fuses them (docs/performance.md)."""
+    return True
+
+
+_SHARED: dict[tuple[int, int, int, TreeConfig, bool, str], StepFunctions] = {}
+
+
+def shared_step_functions(
+    model: nn.Module,
+    drafter: Drafter | None,
+    tree: TreeConfig,
+    compiled: bool | None = None,
+    kernels: str | None = None,
+) -> StepFunctions:
+    """`step_functions`, built once per process for each model (and its embedding
+    module), drafter, tree, compilation and kernel backend: a session per request
+    (as `generate` makes) then finds its functions compiled already, instead of
+    tracing each again on its first call. They hold the drafter, so a model keeps
+    those of its latest drafter only, and all go when the model is freed."""
+    compiled = compile_by_default() if compiled is None else compiled
+    ops = select_kernels(kernels)
+    embed = id(model.model.embed_tokens)  # a module swapped in place (nn.quantize) is new
+    key = (id(model), embed, id(drafter), tree, compiled, ops.backend)
+    if key not in _SHARED:
+        for other in [k for k in _SHARED if k[0] == key[0] and k[1:3] != key[1:3]]:
+            del _SHARED[other]  # another drafter's (or embedding's): let it go
+        _SHARED[key] = step_functions(model, drafter, tree, compiled, ops)
+        weakref.finalize(model, _SHARED.pop, key, None)
+    return _SHARED[key]
 
 
 def step_functions(
@@ -443,6 +492,8 @@ def step_functions(
     draft = _drafter_beams(model, drafter, plan, ops, compiled)
     coupling = _coupling(model, drafter, plan)
     lookup = _lookup(drafter, plan)
+    if compiled and lookup is not None:
+        lookup = mx.compile(lookup)
     num_packed, share_prefixes = plan.num_packed, plan.share_prefixes
 
     def pack(beams: mx.array) -> PackedTree:
@@ -498,19 +549,16 @@ def _coupling(
     draft_ids = drafter.draft_vocab_ids if drafter.config.draft_vocab_size is not None else None
 
     def coupling(state: DecodeState) -> Coupling | None:
-        if all(rule.greedy for rule in state.sampling):
+        if state.all_greedy:
             return None
         # The drafted token at depth d is the target's choice at the node of depth
         # d - 1: sampled with the noise of that node's position, the root's + d - 1,
         # which the verification of this tree reuses.
         noise = state.noise_from_root(drafted, vocab_size)  # (B, L-1, V)
-        if state.drawn is None or state.drawn.shape[1] < drafted:
-            state.drawn = noise
         if draft_ids is not None:
             noise = noise[:, :, draft_ids]  # (B, L-1, Vd)
-        sampled = mx.array([not rule.greedy for rule in state.sampling])  # (B,)
-        scale = mx.array([1.0 / (rule.temperature or 1.0) for rule in state.sampling])
-        return Coupling(mx.where(sampled, scale, 1.0), mx.where(sampled[:, None, None], noise, 0.0))
+        noise = mx.where(state.sampled[:, None, None], noise, 0.0)  # greedy rows: none
+        return Coupling(state.inverse_temperature, noise)
 
     return coupling
 

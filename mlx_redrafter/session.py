@@ -50,6 +50,7 @@ from .decode import (
     StepOutput,
     decode_step,
     plan_step,
+    shared_step_functions,
     step_functions,
 )
 from .distributed import agreed_key, agreed_seconds, sharding_group
@@ -557,11 +558,15 @@ class DecodingSession:
     # -- steps ----------------------------------------------------------------------
 
     def step_functions(self, tree: TreeConfig) -> StepFunctions:
-        """The step functions of `tree`, built once per session."""
+        """The step functions of `tree`, built once per session, and once per process
+        unless the session was given a `Kernels` value (`shared_step_functions`)."""
         if tree not in self._functions:
-            self._functions[tree] = step_functions(
-                self.model, self.drafter, tree, self.compiled, self.kernels
-            )
+            model, drafter, kernels = self.model, self.drafter, self.kernels
+            if isinstance(kernels, Kernels):
+                built = step_functions(model, drafter, tree, self.compiled, kernels)
+            else:
+                built = shared_step_functions(model, drafter, tree, self.compiled, kernels)
+            self._functions[tree] = built
         return self._functions[tree]
 
     def choose_tree(self, batch_size: int) -> TreeConfig:

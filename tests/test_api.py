@@ -7,6 +7,8 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 import mlx_redrafter
 from mlx_redrafter import Drafter, batch_generate, generate, stream_generate
+from mlx_redrafter import auto as auto_module
+from mlx_redrafter.calibrate import SIZES, Calibration, CalibrationKey
 from mlx_redrafter.cli import main as cli_main
 from mlx_redrafter.config import TreeConfig
 
@@ -61,8 +63,14 @@ def test_drafter_none_with_the_plain_tree_is_the_plain_baseline(setup):
     assert responses[-1].tokens_per_step == 1.0 and responses[-1].tree == "1x1"
 
 
-def test_drafter_none_by_default_looks_up_and_stays_lossless(setup):
+def test_drafter_none_by_default_looks_up_and_stays_lossless(setup, monkeypatch):
+    """The default tree (auto) without a drafter chooses among lookup trees. A flat
+    synthetic cost curve stands in for this machine's calibration, so that whether
+    speculating pays does not hang on a timing."""
     model, _, tokenizer, prompts = setup
+    key = CalibrationKey("m", "d", "cpu:test", "float32", "none", "0")
+    flat = Calibration(key, SIZES, (256,), ((0.01,) * len(SIZES),))
+    monkeypatch.setattr(auto_module, "cached_calibration", lambda *args, **kwargs: (flat, None))
     responses = list(stream_generate(model, None, tokenizer, prompts[2], max_tokens=24))
     tokens = [t for r in responses for t in r.tokens]
     assert tokens == mlx_lm_greedy(model, prompts[2], 24)

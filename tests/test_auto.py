@@ -390,9 +390,9 @@ def test_sampled_steps_start_from_the_table_measured_at_their_temperature():
         AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, GOOD_DRAFTER)  # a greedy table
     at_one = auto.estimates[1].survival(auto.prior(1.0)[0])
     assert at_one[1, 0, 0] == pytest.approx(sampled[1, 0, 0])
-    quarter = (3 * greedy[1, 0, 0] + sampled[1, 0, 0]) / 4  # at 0.5: a share of 0.5²
-    rate, _ = auto.prior(0.5)
-    assert auto.estimates[1].survival(rate)[1, 0, 0] == pytest.approx(quarter)
+    half = (greedy[1, 0, 0] + sampled[1, 0, 0]) / 2  # at 0.25: a share of √0.25
+    rate, _ = auto.prior(0.25)
+    assert auto.estimates[1].survival(rate)[1, 0, 0] == pytest.approx(half)
     assert auto.estimates[0].survival()[1, 0, 0] == pytest.approx(greedy[1, 0, 0])
 
 

@@ -206,12 +206,25 @@ def test_metal_decoding_matches_the_fallback(tiny, temperature):
 def test_benchmark_times_the_fallback_and_says_metal_is_missing(capsys, monkeypatch):
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     code = main(
-        ["kernels", "--beam-width", "3", "--vocab", "50", "--iterations", "2", "--warmup", "1"]
+        [
+            "kernels",
+            "--beam-width",
+            "3",
+            "--vocab",
+            "50",
+            "--hidden",
+            "32",
+            "--iterations",
+            "2",
+            "--warmup",
+            "1",
+        ]
     )
     out = capsys.readouterr().out
     assert code == 0
     assert NO_METAL in out
     assert "expand  mlx " in out and "pack    mlx " in out and "accept  mlx compiled" in out
+    assert "draft   mlx compiled" in out
     assert "metal" not in out.replace(NO_METAL, "").lower()
 
 
@@ -222,8 +235,10 @@ def test_benchmark_checks_the_kernel_it_times():
         pack_tree,
         lambda *args: accept(*args)._replace(bonus_tokens=args[3][:, 0] + 1),
     )
-    timings = benchmark(1, TreeConfig(2, 3), 20, iterations=1, warmup=0, metal=fake)
+    timings = benchmark(1, TreeConfig(2, 3), 20, iterations=1, warmup=0, metal=fake, hidden_size=32)
     verdicts = {(t.step, t.implementation): t.identical for t in timings}
+    assert verdicts[("draft", "mlx compiled")] is True  # the whole draft, compiled
+    assert verdicts[("draft", "fake")] is True  # its expansion is the fallback's
     assert verdicts[("expand", "fake")] is True
     assert verdicts[("pack", "fake")] is True
     assert verdicts[("accept", "fake")] is False

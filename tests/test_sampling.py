@@ -336,8 +336,9 @@ def test_sampled_rows_draft_with_the_targets_own_noise(temperature, permuted):
 
 def test_each_position_draws_its_noise_once_and_verification_reuses_the_drafters():
     """`DecodeState.node_noise`: every node gets the noise of its absolute position
-    (committed length + depth), nodes at one depth share one draw, and the noise the
-    drafter drew for the next tree (`drawn`) is what verifying that tree uses."""
+    (committed length + depth), nodes at one depth share one draw, the noise the
+    drafter drew for the next tree (`drawn`) is what verifying that tree uses, and
+    none of it is reused once a commit moves the roots on."""
     from mlx_redrafter.config import CacheConfig
     from mlx_redrafter.decode import prefill
     from mlx_redrafter.sampling import position_keys, position_noise
@@ -355,5 +356,8 @@ def test_each_position_draws_its_noise_once_and_verification_reuses_the_drafters
     reused = state.node_noise(depths, 3, VOCAB_SIZE)
     from_drawn = depths < 2  # depths 0 and 1 come from `drawn`, depth 2 is drawn now
     assert mx.all(mx.where(from_drawn[..., None], reused == 7.0, reused == expected)).item()
-    state.record(mx.zeros((2, 1), dtype=mx.int32))  # a commit moves the roots on
-    assert state.drawn is None
+    state.record(mx.zeros((2, 1), dtype=mx.int32))
+    state.drawn = mx.full(reused.shape[:1] + (3, VOCAB_SIZE), 7.0)  # marked again
+    state.cache.commit([[0], [0]], [1, 1])  # the roots move on by one position
+    moved = position_noise(position_keys(state.keys, positions + 1), VOCAB_SIZE)
+    assert mx.array_equal(state.node_noise(depths, 3, VOCAB_SIZE), moved).item()

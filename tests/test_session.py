@@ -14,6 +14,7 @@ from conftest import mlx_lm_greedy
 
 from mlx_redrafter import (
     DecodingSession,
+    Drafter,
     PromptCache,
     Request,
     SamplingConfig,
@@ -327,3 +328,32 @@ def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
     told = len(choice.recorded)
     session.close()
     assert len(choice.recorded) == told + 1  # close tells the pending step
+
+
+def test_sessions_share_their_step_functions_while_the_model_lives(trained_llama):
+    """A session per request (as `generate` makes) finds the step functions an
+    earlier session of the same model and drafter built, and compiled, for a tree;
+    other options get their own, and they go when the model goes."""
+    import gc
+
+    from tiny_models import tiny_model
+
+    from mlx_redrafter import decode
+    from mlx_redrafter.target import prepare_target
+
+    _, drafter, _ = trained_llama
+    model = prepare_target(tiny_model("llama"))
+    tree = TreeConfig(2, 3)
+    first = DecodingSession(model, drafter).step_functions(tree)
+    assert DecodingSession(model, drafter).step_functions(tree) is first
+    assert DecodingSession(model, None).step_functions(tree) is not first
+    assert DecodingSession(model, drafter, compiled=False).step_functions(tree) is not first
+    identity = id(model)
+    assert any(key[0] == identity for key in decode._SHARED)
+    # Another drafter for the model: the first one's functions go (they hold it).
+    other = Drafter(drafter.config)
+    assert DecodingSession(model, other).step_functions(tree) is not first
+    assert not any(key[0] == identity and key[2] == id(drafter) for key in decode._SHARED)
+    del model, first, other
+    gc.collect()
+    assert not any(key[0] == identity for key in decode._SHARED)

@@ -1,8 +1,9 @@
 """`mlx-redrafter kernels`: time the fused Metal kernels against the pure-MLX fallback.
 
 Per decoding step it times the three fused steps (beam expansion, tree packing,
-acceptance) on random inputs of the given shapes, each call evaluated on its own.
-Without Metal it says so and times the fallback only.
+acceptance) and the whole draft they serve (a randomly initialized drafter's beam
+search, as `decode.py` runs it) on random inputs of the given shapes, each call
+evaluated on its own. Without Metal it says so and times the fallback only.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
+from ..beam_search import beam_search
 from ..config import TreeConfig
+from ..drafter import Drafter, DrafterConfig
 from ..kernels import METAL_KERNELS, MLX_KERNELS, Kernels
 from ..tree import pack_tree
 
@@ -32,15 +36,19 @@ def register(commands: Any) -> None:
     parser = commands.add_parser(
         "kernels",
         help="micro-benchmark the fused Metal kernels against the pure-MLX fallback",
-        description="Time one beam expansion, tree packing and acceptance per call, fused Metal "
-        "kernels against the pure-MLX fallback (eager and mx.compile'd), on random "
-        "inputs. Without Metal only the fallback is timed.",
+        description="Time one beam expansion, tree packing and acceptance, and a whole draft "
+        "(a random drafter's beam search), per call, fused Metal kernels against the pure-MLX "
+        "fallback (eager and mx.compile'd), on random inputs. Without Metal only the "
+        "fallback is timed.",
         epilog="example: mlx-redrafter kernels --beam-width 4 --beam-length 4 --vocab 49152",
     )
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--beam-width", type=int, default=4)
     parser.add_argument("--beam-length", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=49152, help="draft vocabulary size Vd")
+    parser.add_argument(
+        "--hidden", type=int, default=576, help="hidden size D of the drafter's target"
+    )
     parser.add_argument("--iterations", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -49,7 +57,7 @@ def register(commands: Any) -> None:
 
 @dataclass(frozen=True)
 class Timing:
-    step: str  # "expand" or "accept"
+    step: str  # "expand", "pack", "accept" or "draft"
     implementation: str  # e.g. "mlx", "mlx compiled", "metal"
     median_seconds: float
     identical: bool | None  # outputs equal to the eager fallback's (None: the fallback)
@@ -75,6 +83,29 @@ def step_inputs(
         "pack": (beams, shape.num_packed, shape.share_prefixes),
         "accept": (beams, tree.unpack, tree.canonical, choices),
     }
+
+
+def draft_inputs(
+    batch_size: int, shape: TreeConfig, vocab_size: int, hidden_size: int, seed: int
+) -> tuple[Callable[[Kernels], Callable[..., Any]], tuple[mx.array, mx.array]]:
+    """The whole draft of one step: a randomly initialized drafter (D = hidden_size,
+    two layers, vocabulary Vd = vocab_size) beside a random token embedding, and its
+    inputs, hidden (B, D) and roots (B,). Returns (kernels -> the draft function,
+    its array inputs)."""
+    mx.random.seed(seed)
+    config = DrafterConfig(vocab_size, hidden_size, exit_dim=hidden_size * 2 // 3)
+    drafter, embed = Drafter(config), nn.Embedding(vocab_size, hidden_size)
+    hidden = mx.random.normal((batch_size, hidden_size))  # (B, D)
+    roots = mx.random.randint(0, vocab_size, (batch_size,))  # (B,)
+    width, length = shape.beam_width, shape.beam_length
+
+    def draft(kernels: Kernels) -> Callable[..., Any]:
+        def search(hidden: mx.array, roots: mx.array) -> mx.array:
+            return beam_search(drafter, embed, hidden, roots, width, length, kernels.expand)
+
+        return search
+
+    return draft, (hidden, roots)
 
 
 def median_seconds(call: Callable[[], Any], iterations: int, warmup: int) -> float:
@@ -116,9 +147,11 @@ def benchmark(
     warmup: int,
     seed: int = 0,
     metal: Kernels | None = None,
+    hidden_size: int = 576,
 ) -> list[Timing]:
     """Median seconds per call of each implementation of each step."""
     inputs = step_inputs(batch_size, shape, vocab_size, seed)
+    draft, draft_args = draft_inputs(batch_size, shape, vocab_size, hidden_size, seed)
     implementations: list[tuple[str, Kernels, bool]] = [
         ("mlx", MLX_KERNELS, False),
         ("mlx compiled", MLX_KERNELS, True),
@@ -132,6 +165,7 @@ def benchmark(
         "expand": tuple(MLX_KERNELS.expand(*inputs["expand"])),
         "pack": tuple(MLX_KERNELS.pack(*inputs["pack"])),
         "accept": tuple(MLX_KERNELS.accept(*inputs["accept"])),
+        "draft": (draft(MLX_KERNELS)(*draft_args),),
     }
     timings = []
     for name, kernels, compiled in implementations:
@@ -139,13 +173,16 @@ def benchmark(
             ("expand", kernels.expand, inputs["expand"]),
             ("pack", kernels.pack, inputs["pack"]),
             ("accept", kernels.accept, inputs["accept"]),
+            ("draft", draft(kernels), draft_args),
         ]
         for step, function, args in steps:
             function, args = _arrays_only(function, args)
             function = mx.compile(function) if compiled else function
             identical = None
             if name != "mlx":
-                identical = _same(tuple(function(*args)), reference[step])
+                result = function(*args)
+                result = (result,) if isinstance(result, mx.array) else tuple(result)
+                identical = _same(result, reference[step])
 
             def call(function: Callable[..., Any] = function, args: tuple = args) -> Any:
                 return function(*args)
@@ -172,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         args.warmup,
         args.seed,
         METAL_KERNELS if available else None,
+        args.hidden,
     )
     for timing in timings:
         check = ""
