@@ -362,7 +362,7 @@ def _sample_cost(model: nn.Module, repeats: int, nodes: int = 16) -> float:
     """Seconds per node of sampling a token (temperature 1) rather than taking the argmax,
     its noise drawn for every node. Decoding draws it once per position, so wide trees
     are priced high; priced per position, the auto tree chose trees that measured slower
-    (docs/auto-tree.md)."""
+    (CHANGELOG.md)."""
     from .sampling import choose_tokens, position_keys, position_noise
 
     vocab = output_size(model)

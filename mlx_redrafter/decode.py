@@ -69,7 +69,8 @@ class DecodeState:
     drawn: (B, K, V) the sampling noise of the K positions from each row's root on,
         kept by `noise_from_root` with the committed lengths it was drawn at
         (`drawn_at`), so that the drafter's draw (`Coupling`) is reused to verify the
-        tree it drafted, and never once the roots have moved on; None when rows join.
+        tree it drafted, and never once the roots have moved on; None after `record`
+        and when rows join.
     all_greedy, sampled (B,) bool, inverse_temperature (B,): the rows' rules as the
         step needs them (1 for greedy rows), made again when the rows change.
     """
