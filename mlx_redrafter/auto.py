@@ -25,6 +25,7 @@ decoded since (`probes.py`), so the drafter's estimate follows the text too.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -314,6 +315,24 @@ def step_seconds(
     return verify + draft + lookup + sample
 
 
+def prior_cubes(
+    prior: AcceptanceTable, sampled_prior: AcceptanceTable | None, kinds: tuple[int, int]
+) -> tuple[tuple[np.ndarray, np.ndarray], float, bool]:
+    """The prior survival cubes (Kw + 1, Kg + 1, D) of greedy and of sampled steps for
+    (Kw, Kg) = `kinds` candidates, the temperature the sampled one was measured at,
+    and whether the drafter's beams have a table measured sampling (a drafter
+    without one: its beams as measured greedily, not trusted, and the built-in
+    lookup rows measured sampling)."""
+    beams_measured = sampled_prior is not None or not prior.beams
+    if sampled_prior is not None and sampled_prior.temperature <= 0:
+        raise ValueError("sampled_prior: give a table measured sampling (temperature > 0)")
+    if sampled_prior is None:
+        sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0)
+    greedy = _cube(prior, kinds, LOOKUP_PRIOR)
+    sampled = _cube(sampled_prior, kinds, LOOKUP_SAMPLED)
+    return (greedy, sampled), sampled_prior.temperature, beams_measured
+
+
 # -- the choice ------------------------------------------------------------------------
 
 
@@ -338,12 +357,50 @@ class CheckSchedule:
         return True
 
 
+class StepCosts:
+    """What auto trees measure of their steps' cost beyond the calibration, for one
+    model and drafter on this machine: shared by the sessions of a process
+    (`shared_costs`), so that a session per request starts from what earlier requests
+    measured. Acceptance is not shared: it follows each request's own text.
+
+    factor (C,): each tree's measured step time over its predicted one; overhead
+    (plain, trees): measured seconds beyond the calibrated cost; entry: the extra
+    seconds of a stint's first step; stint: the steps a stint of trees between two
+    plain steps lasts (a running mean; None until one has ended); ran: trees whose
+    functions are built.
+    """
+
+    def __init__(self, trees: int):
+        self.factor = np.ones(trees)
+        self.overhead = np.zeros(2)
+        self.entry = 0.0
+        self.stint: float | None = None
+        self.ran: set[int] = set()
+
+
+_SHARED: dict[tuple[int, int, int], tuple[Drafter | None, StepCosts]] = {}
+
+
+def shared_costs(model: nn.Module, drafter: Drafter | None, trees: int) -> StepCosts:
+    """The process's `StepCosts` of (model, drafter) and its `trees` candidates. A model
+    keeps its latest drafter's only (holding the drafter, so that its id names no
+    other), and they go when the model is freed."""
+    key = (id(model), id(model.model.embed_tokens), id(drafter))
+    if key not in _SHARED or len(_SHARED[key][1].factor) != trees:
+        for other in [k for k in _SHARED if k[0] == key[0]]:
+            del _SHARED[other]
+        _SHARED[key] = (drafter, StepCosts(trees))
+        weakref.finalize(model, _SHARED.pop, key, None)
+    return _SHARED[key][1]
+
+
 class AutoTree:
     """Chooses each step's tree from the calibrated cost and the running acceptance.
 
     every: steps between choices (a chosen tree runs at least this long, so its shape
     is compiled once and used); margin: a new tree must promise this much more
-    speed than the current one to replace it.
+    speed than the current one to replace it; costs: what earlier sessions of this
+    model measured of their steps (`shared_costs`; None: start from the calibration).
     """
 
     def __init__(
@@ -355,41 +412,29 @@ class AutoTree:
         *,
         every: int = 4,
         margin: float = 0.03,
+        costs: StepCosts | None = None,
     ):
         self.calibration, self.candidates = calibration, candidates
         kinds = (int(candidates.width.max()), int(candidates.branches.max()))
-        cube = _cube(prior, kinds, LOOKUP_PRIOR)
-        # A drafter without a table measured sampling: its beams as measured greedily,
-        # not trusted (below), and the built-in lookup rows measured sampling.
-        self._beams_measured = sampled_prior is not None or not prior.beams
-        if sampled_prior is not None and sampled_prior.temperature <= 0:
-            raise ValueError("sampled_prior: give a table measured sampling (temperature > 0)")
-        if sampled_prior is None:
-            sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0)
-        sampled = _cube(sampled_prior, kinds, LOOKUP_SAMPLED)
-        self._cubes, self._sampled_at = (cube, sampled), sampled_prior.temperature
+        self._cubes, self._sampled_at, self._beams_measured = prior_cubes(
+            prior, sampled_prior, kinds
+        )
         self._priors: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # share -> rates, tokens
         # Running acceptance of greedy steps and, apart, of steps where some row
         # samples: a sample accepts a drafted token less often than an argmax does.
-        self.estimates = (AcceptanceEstimate(cube), AcceptanceEstimate(sampled))
+        self.estimates = (AcceptanceEstimate(self._cubes[0]), AcceptanceEstimate(self._cubes[1]))
         self._beam_evidence = 0.0  # drafter beams seen by sampled steps (row-steps)
+        self.measured = costs if costs is not None else StepCosts(len(candidates.trees))
+        if len(self.measured.factor) != len(candidates.trees):
+            raise ValueError("costs: the StepCosts of these candidates' trees")
         self.every, self.margin = every, margin
-        # Measured step time beyond the calibrated cost (seconds), for plain steps and
-        # for tree steps apart: a tree step's host work (packing, acceptance, the
-        # cache commit) is not a plain step's, which the calibration times whole.
-        self.overhead = np.zeros(2)  # (plain, trees)
-        # Measured extra seconds of the first tree step after a plain one (its draft
-        # was not prefetched during the step before): a cost of the switch, learned
-        # apart from the trees' own.
-        self.entry = 0.0
         self._after_plain = True
-        self._ran: set[int] = set()  # trees whose first stint has started
+        self._stint = 0  # tree steps since the last plain one
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
         self._costs: dict[tuple[int, int, bool], np.ndarray] = {}
         self._index = {tree: i for i, tree in enumerate(candidates.trees)}
-        self.factor = np.ones(len(candidates.trees))  # measured / expected, per tree
         # A hindsight check covers every step since the last one, in one batched
         # search: checks every `every` steps see as many steps as checks every step.
         self._hindsight_due = CheckSchedule(every, every)
@@ -405,7 +450,9 @@ class AutoTree:
     def for_model(cls, model: nn.Module, drafter: Drafter | None, **options: float) -> AutoTree:
         """The auto tree of (model, drafter) on this machine: its calibration is read from
         the cache folder, or measured now (seconds) and stored there; acceptance starts
-        from the drafter's own table, or the built-in priors."""
+        from the drafter's own table, or the built-in priors; the step costs measured
+        beyond the calibration are those of earlier sessions of this model and
+        drafter in this process (`shared_costs`)."""
         calibration, _ = cached_calibration(model, drafter, announce=is_main_process())
         width = min(8, drafter.config.output_size) if drafter is not None else 0
         candidates = candidate_trees(drafter is not None, max_width=width)
@@ -418,12 +465,33 @@ class AutoTree:
             candidates,
             prior,
             sampled,
+            costs=shared_costs(model, drafter, len(candidates.trees)),
             **options,  # type: ignore[arg-type]
         )
 
     @property
     def trees(self) -> list[TreeConfig]:
         return list(self.candidates.trees)
+
+    @property
+    def factor(self) -> np.ndarray:
+        """(C,) each tree's measured step time over its predicted one."""
+        return self.measured.factor
+
+    @property
+    def overhead(self) -> np.ndarray:
+        """Measured step time beyond the calibrated cost (seconds), for plain steps
+        and for tree steps apart (plain, trees): a tree step's host work (packing,
+        acceptance, the cache commit) is not a plain step's, which the calibration
+        times whole."""
+        return self.measured.overhead
+
+    @property
+    def entry(self) -> float:
+        """Measured extra seconds of the first tree step after a plain one (its draft
+        was not prefetched during the step before): a cost of the switch, learned
+        apart from the trees' own."""
+        return self.measured.entry
 
     def describe(self) -> str:
         kinds = "lookup and drafter trees" if self.candidates.width.max() else "lookup trees"
@@ -513,8 +581,9 @@ class AutoTree:
         choice is made again every `every` steps, or at once for a batch size not seen
         yet; the tree last chosen for any batch size (at first plain decoding) is the
         incumbent. Leaving plain decoding pays for its switch (`switch_seconds`,
-        spread over the `every` steps a tree runs at least), and any new tree must
-        promise `margin` more speed than the incumbent."""
+        spread over the steps a stint of trees lasts: as measured, and at least the
+        `every` steps a tree runs), and any new tree must promise `margin` more speed
+        than the incumbent."""
         self._last = (batch_size, context, temperature)
         current = self.current.get(batch_size)
         age = self._age.get(batch_size, self.every)
@@ -523,7 +592,8 @@ class AutoTree:
             speeds = self.speeds(batch_size, context, temperature)
             plain = self.candidates.plain
             if plain[incumbent]:  # a tree pays for the switch too
-                extra = self.switch_seconds(batch_size, context, temperature) / self.every
+                stint = max(self.every, self.measured.stint or 0.0)
+                extra = self.switch_seconds(batch_size, context, temperature) / stint
                 costs = self.costs(batch_size, context, temperature)
                 speeds = np.where(plain, speeds, speeds * costs / (costs + extra))
             best = int(np.argmax(speeds))
@@ -532,6 +602,12 @@ class AutoTree:
         self._latest = current
         self._age[batch_size] = age + 1
         return self.candidates.trees[current]
+
+    def _end_stint(self) -> None:
+        """Learn how long stints of trees last (a running mean of their steps)."""
+        last = self.measured.stint
+        steps = float(self._stint)
+        self.measured.stint = steps if last is None else last + 0.2 * (steps - last)
 
     def hindsight(self, tree: TreeConfig) -> TreeConfig | None:
         """The lookup branches (G, Ll) to check in hindsight on a step of `tree`: the
@@ -600,16 +676,19 @@ class AutoTree:
                 # long, the last short): only their average means something, so it
                 # is not clipped, and no plain factor is kept.
                 self.overhead[0] += 0.1 * (seconds - predicted - self.overhead[0])
+                if not self._after_plain:  # a stint of trees ended
+                    self._end_stint()
                 self._after_plain = True
                 return
+            self._stint += 1
             if self._after_plain:  # the first step of a stint: the switch's cost
-                self._after_plain = False
-                if index not in self._ran:  # its first ever: building its functions
-                    self._ran.add(index)
+                self._after_plain, self._stint = False, 1
+                if index not in self.measured.ran:  # its first ever: building its functions
+                    self.measured.ran.add(index)
                     return
                 expected = (predicted + self.overhead[1]) * self.factor[index]
                 extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
-                self.entry += 0.2 * (extra - self.entry)
+                self.measured.entry += 0.2 * (extra - self.measured.entry)
                 return
             gap = max(seconds - predicted, -0.5 * predicted)
             self.overhead[1] += 0.1 * (gap - self.overhead[1])

@@ -154,12 +154,17 @@ def model_path(model: str | os.PathLike[str] | None) -> str:
 
     if model is None:
         return str(default_model_path())
+    what = (
+        "give an MLX model folder (convert one with `mlx-redrafter-convert model`), a "
+        "Hugging Face Hub id like org/name, or an embedded model's name "
+        "(SmolLM2-135M-Instruct, gemma-3-270m)"
+    )
+    if not str(model).strip():
+        raise ValueError(f"the model name is empty: {what}")
     embedded = embedded_model_path(str(model)) if not Path(model).exists() else None
     model_path = str(embedded or model)
     if _looks_local(model_path) and not Path(model_path).exists():
-        raise FileNotFoundError(
-            f"no model folder at {model_path}: give an MLX model folder (convert one with "
-            "`mlx-redrafter-convert model`), a Hugging Face Hub id like org/name, or an "
-            "embedded model's name (SmolLM2-135M-Instruct, gemma-3-270m)"
-        )
+        raise FileNotFoundError(f"no model folder at {model_path}: {what}")
+    if Path(model_path).is_dir() and not (Path(model_path) / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path} holds no config.json, so it is no model: {what}")
     return model_path

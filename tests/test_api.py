@@ -192,6 +192,15 @@ def test_load_from_folders(tmp_path, setup):
         mlx_redrafter.load_drafter(tmp_path / "missing")
 
 
+def test_a_model_that_is_no_model_folder_is_a_clear_error(tmp_path):
+    """An empty name, or a folder without config.json (such as "" or "."), is named
+    as such before mlx-lm looks for the file."""
+    with pytest.raises(ValueError, match="the model name is empty"):
+        mlx_redrafter.load("")
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        mlx_redrafter.load(tmp_path)
+
+
 def test_cli_reports_bad_input_without_a_traceback(capsys, tmp_path):
     code = cli_main(["generate", "--model", str(tmp_path / "nope"), "--max-tokens", "2"])
     captured = capsys.readouterr()

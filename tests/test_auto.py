@@ -435,6 +435,59 @@ def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
     assert auto.switch_seconds(1, 0) == pytest.approx(0.015, rel=0.05)
 
 
+def test_sessions_of_a_model_share_measured_step_costs_but_not_acceptance(monkeypatch):
+    """A session per request (as `generate` makes) starts from the step costs earlier
+    ones measured on this model, drafter and machine; acceptance follows each
+    request's own text. Another model, or another drafter, starts afresh."""
+    from tiny_models import tiny_model
+
+    from mlx_redrafter import auto as auto_module
+
+    curve = synthetic(lambda n: 0.010 * (1 + 0.02 * (n - 1)))
+    monkeypatch.setattr(auto_module, "cached_calibration", lambda *args, **kwargs: (curve, None))
+    model, other = tiny_model("llama"), tiny_model("llama")
+    first = AutoTree.for_model(model, None)
+    tree = first.choose(1)
+    index = first._index[tree]
+    runs = np.full((1, tree.num_branches), tree.depth - 1)
+    seconds = float(first.calibrated(1, 0)[index])
+    for _ in range(12):
+        first.record(tree, 1, 2 * seconds, runs, 0)
+    assert first.factor[index] > 1.1 and first.estimates[0].reached.sum() > 0
+    second = AutoTree.for_model(model, None)
+    assert second.factor[index] == first.factor[index]
+    assert second.overhead[1] == first.overhead[1] > 0
+    assert second.estimates[0].reached.sum() == 0  # its own text's acceptance
+    assert AutoTree.for_model(other, None).factor[index] == 1.0
+    drafter = Drafter.create(model)
+    with_drafter = AutoTree.for_model(model, drafter)
+    assert np.all(with_drafter.factor == 1.0) and with_drafter.overhead[1] == 0.0
+
+
+def test_the_switch_from_plain_decoding_is_spread_over_the_stints_measured():
+    """Leaving plain decoding costs the stint of trees its unpipelined neighbours and
+    its first step's draft, once per stint: spread over the `every` steps a tree
+    runs at least until stints have been measured, then over their running mean."""
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
+    tree = auto.choose(1)
+    runs = np.full((1, tree.num_branches), tree.depth - 1)
+    none = np.zeros((1, 0), dtype=int)
+    assert auto.measured.stint is None
+    for length in (20, 10):
+        auto.record(PLAIN_DECODING, 1, 0.010, none, 0)
+        for _ in range(length):
+            auto.record(tree, 1, 0.012, runs, 0)
+    assert auto.measured.stint == 20  # the second stint has not ended yet
+    auto.record(PLAIN_DECODING, 1, 0.010, none, 0)
+    assert auto.measured.stint == pytest.approx(20 + 0.2 * (10 - 20))
+    # A switch that costs 20 steps' worth: not worth it for a stint of 4 steps, worth
+    # it for stints of 400.
+    short, long = (auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1)))) for _ in "ab")
+    for auto, stint in ((short, None), (long, 400.0)):
+        auto.measured.entry, auto.measured.stint = 0.2, stint
+    assert short.choose(1) == PLAIN_DECODING and long.choose(1) != PLAIN_DECODING
+
+
 def test_measured_step_times_beyond_the_curve_count_as_overhead():
     auto = auto_tree(synthetic(lambda n: 0.010))
     tree = auto.choose(1)
