@@ -357,17 +357,18 @@ class CheckSchedule:
         return True
 
 
-class StepCosts:
+class MeasuredCosts:
     """What auto trees measure of their steps' cost beyond the calibration, for one
     model and drafter on this machine: shared by the sessions of a process
-    (`shared_costs`), so that a session per request starts from what earlier requests
-    measured. Acceptance is not shared: it follows each request's own text.
+    (`shared_measured_costs`), so that a session per request starts from what
+    earlier requests measured. Acceptance is not shared: it follows each request's
+    own text.
 
     factor (C,): each tree's measured step time over its predicted one; overhead
     (plain, trees): measured seconds beyond the calibrated cost; entry: the extra
     seconds of a stint's first step; stint: the steps a stint of trees between two
-    plain steps lasts (a running mean; None until one has ended); ran: trees whose
-    functions are built.
+    plain steps lasts (a running mean; None until one has ended; a stint that
+    lasts to the end of its session is not counted).
     """
 
     def __init__(self, trees: int):
@@ -375,23 +376,30 @@ class StepCosts:
         self.overhead = np.zeros(2)
         self.entry = 0.0
         self.stint: float | None = None
-        self.ran: set[int] = set()
 
 
-_SHARED: dict[tuple[int, int, int], tuple[Drafter | None, StepCosts]] = {}
+_MEASURED: dict[tuple[int, int, int], tuple[Drafter | None, MeasuredCosts]] = {}
 
 
-def shared_costs(model: nn.Module, drafter: Drafter | None, trees: int) -> StepCosts:
-    """The process's `StepCosts` of (model, drafter) and its `trees` candidates. A model
-    keeps its latest drafter's only (holding the drafter, so that its id names no
-    other), and they go when the model is freed."""
+def shared_measured_costs(model: nn.Module, drafter: Drafter | None, trees: int) -> MeasuredCosts:
+    """The process's `MeasuredCosts` of (model, drafter) and its `trees` candidates.
+    A model keeps those of decoding without a drafter and of its latest drafter
+    (held, so that its id names no other), and they go when the model is freed."""
     key = (id(model), id(model.model.embed_tokens), id(drafter))
-    if key not in _SHARED or len(_SHARED[key][1].factor) != trees:
-        for other in [k for k in _SHARED if k[0] == key[0]]:
-            del _SHARED[other]
-        _SHARED[key] = (drafter, StepCosts(trees))
-        weakref.finalize(model, _SHARED.pop, key, None)
-    return _SHARED[key][1]
+    if key not in _MEASURED or len(_MEASURED[key][1].factor) != trees:
+        if not any(k[0] == key[0] for k in _MEASURED):
+            weakref.finalize(model, _forget_model, key[0])
+        for other in [k for k in _MEASURED if k[0] == key[0] and k != key]:
+            another_drafter = drafter is not None and _MEASURED[other][0] is not None
+            if other[1] != key[1] or another_drafter:  # a new embedding, or drafter
+                del _MEASURED[other]
+        _MEASURED[key] = (drafter, MeasuredCosts(trees))
+    return _MEASURED[key][1]
+
+
+def _forget_model(model_id: int) -> None:
+    for key in [k for k in _MEASURED if k[0] == model_id]:
+        del _MEASURED[key]
 
 
 class AutoTree:
@@ -399,8 +407,9 @@ class AutoTree:
 
     every: steps between choices (a chosen tree runs at least this long, so its shape
     is compiled once and used); margin: a new tree must promise this much more
-    speed than the current one to replace it; costs: what earlier sessions of this
-    model measured of their steps (`shared_costs`; None: start from the calibration).
+    speed than the current one to replace it; measured: what earlier sessions of this
+    model measured of their steps (`shared_measured_costs`; None: start from the
+    calibration).
     """
 
     def __init__(
@@ -412,7 +421,7 @@ class AutoTree:
         *,
         every: int = 4,
         margin: float = 0.03,
-        costs: StepCosts | None = None,
+        measured: MeasuredCosts | None = None,
     ):
         self.calibration, self.candidates = calibration, candidates
         kinds = (int(candidates.width.max()), int(candidates.branches.max()))
@@ -424,12 +433,15 @@ class AutoTree:
         # samples: a sample accepts a drafted token less often than an argmax does.
         self.estimates = (AcceptanceEstimate(self._cubes[0]), AcceptanceEstimate(self._cubes[1]))
         self._beam_evidence = 0.0  # drafter beams seen by sampled steps (row-steps)
-        self.measured = costs if costs is not None else StepCosts(len(candidates.trees))
+        self.measured = measured if measured is not None else MeasuredCosts(len(candidates.trees))
         if len(self.measured.factor) != len(candidates.trees):
-            raise ValueError("costs: the StepCosts of these candidates' trees")
+            raise ValueError("measured: the MeasuredCosts of these candidates' trees")
         self.every, self.margin = every, margin
         self._after_plain = True
         self._stint = 0  # tree steps since the last plain one
+        # Trees this session has run: the first step of each may build (compile) its
+        # functions for this session's compilation and kernels, so it teaches no cost.
+        self._ran: set[int] = set()
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
@@ -452,7 +464,7 @@ class AutoTree:
         the cache folder, or measured now (seconds) and stored there; acceptance starts
         from the drafter's own table, or the built-in priors; the step costs measured
         beyond the calibration are those of earlier sessions of this model and
-        drafter in this process (`shared_costs`)."""
+        drafter in this process (`shared_measured_costs`)."""
         calibration, _ = cached_calibration(model, drafter, announce=is_main_process())
         width = min(8, drafter.config.output_size) if drafter is not None else 0
         candidates = candidate_trees(drafter is not None, max_width=width)
@@ -465,7 +477,7 @@ class AutoTree:
             candidates,
             prior,
             sampled,
-            costs=shared_costs(model, drafter, len(candidates.trees)),
+            measured=shared_measured_costs(model, drafter, len(candidates.trees)),
             **options,  # type: ignore[arg-type]
         )
 
@@ -680,18 +692,25 @@ class AutoTree:
                     self._end_stint()
                 self._after_plain = True
                 return
-            self._stint += 1
-            if self._after_plain:  # the first step of a stint: the switch's cost
-                self._after_plain, self._stint = False, 1
-                if index not in self.measured.ran:  # its first ever: building its functions
-                    self.measured.ran.add(index)
-                    return
-                expected = (predicted + self.overhead[1]) * self.factor[index]
-                extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
-                self.measured.entry += 0.2 * (extra - self.measured.entry)
-                return
-            gap = max(seconds - predicted, -0.5 * predicted)
-            self.overhead[1] += 0.1 * (gap - self.overhead[1])
-            # ... and what this tree's steps cost beyond that.
-            ratio = min(max(seconds / (predicted + self.overhead[1]), 0.5), 3.0)
-            self.factor[index] += 0.2 * (ratio - self.factor[index])
+            self._learn_tree_step(index, seconds, predicted)
+
+    def _learn_tree_step(self, index: int, seconds: float, predicted: float) -> None:
+        """Learn from a tree step's time: the first step of a stint teaches the
+        switch's cost (`entry`), the others the tree steps' overhead and this tree's
+        factor; a tree's first step in this session (which may build its functions)
+        teaches nothing."""
+        first_of_stint = self._after_plain
+        self._after_plain, self._stint = False, 1 if first_of_stint else self._stint + 1
+        if index not in self._ran:
+            self._ran.add(index)
+            return
+        if first_of_stint:
+            expected = (predicted + self.overhead[1]) * self.factor[index]
+            extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
+            self.measured.entry += 0.2 * (extra - self.measured.entry)
+            return
+        gap = max(seconds - predicted, -0.5 * predicted)
+        self.overhead[1] += 0.1 * (gap - self.overhead[1])
+        # ... and what this tree's steps cost beyond that.
+        ratio = min(max(seconds / (predicted + self.overhead[1]), 0.5), 3.0)
+        self.factor[index] += 0.2 * (ratio - self.factor[index])

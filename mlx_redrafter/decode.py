@@ -461,17 +461,26 @@ def shared_step_functions(
     module), drafter, tree, compilation and kernel backend: a session per request
     (as `generate` makes) then finds its functions compiled already, instead of
     tracing each again on its first call. They hold the drafter, so a model keeps
-    those of its latest drafter only, and all go when the model is freed."""
+    those of decoding without a drafter and of its latest drafter only, and all go
+    when the model is freed."""
     compiled = compile_by_default() if compiled is None else compiled
     ops = select_kernels(kernels)
     embed = id(model.model.embed_tokens)  # a module swapped in place (nn.quantize) is new
     key = (id(model), embed, id(drafter), tree, compiled, ops.backend)
     if key not in _SHARED:
+        if not any(k[0] == key[0] for k in _SHARED):
+            weakref.finalize(model, _forget_model, key[0])
         for other in [k for k in _SHARED if k[0] == key[0] and k[1:3] != key[1:3]]:
-            del _SHARED[other]  # another drafter's (or embedding's): let it go
+            another_drafter = drafter is not None and other[2] != id(None)
+            if other[1] != embed or another_drafter:  # another embedding's or drafter's
+                del _SHARED[other]
         _SHARED[key] = step_functions(model, drafter, tree, compiled, ops)
-        weakref.finalize(model, _SHARED.pop, key, None)
     return _SHARED[key]
+
+
+def _forget_model(model_id: int) -> None:
+    for key in [k for k in _SHARED if k[0] == model_id]:
+        del _SHARED[key]
 
 
 def step_functions(

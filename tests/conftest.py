@@ -130,3 +130,13 @@ def calibration_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(calibrate, "calibration_folder", lambda: folder)
         yield folder
+
+
+@pytest.fixture(autouse=True)
+def fresh_measured_costs(monkeypatch):
+    """Each test's auto trees start from the calibration: the step costs that auto
+    trees measure are shared by a process's sessions (`auto.shared_measured_costs`),
+    which would make a test's tree choices hang on the tests before it."""
+    from mlx_redrafter import auto
+
+    monkeypatch.setattr(auto, "_MEASURED", {})

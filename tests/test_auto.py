@@ -438,7 +438,11 @@ def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
 def test_sessions_of_a_model_share_measured_step_costs_but_not_acceptance(monkeypatch):
     """A session per request (as `generate` makes) starts from the step costs earlier
     ones measured on this model, drafter and machine; acceptance follows each
-    request's own text. Another model, or another drafter, starts afresh."""
+    request's own text. Another model starts afresh; a model keeps the costs of
+    decoding without a drafter beside those of its latest drafter (as `bench
+    --also-no-drafter` alternates them), and they go when the model goes."""
+    import gc
+
     from tiny_models import tiny_model
 
     from mlx_redrafter import auto as auto_module
@@ -462,6 +466,13 @@ def test_sessions_of_a_model_share_measured_step_costs_but_not_acceptance(monkey
     drafter = Drafter.create(model)
     with_drafter = AutoTree.for_model(model, drafter)
     assert np.all(with_drafter.factor == 1.0) and with_drafter.overhead[1] == 0.0
+    with_drafter.measured.entry = 0.5
+    assert AutoTree.for_model(model, None).factor[index] == first.factor[index]
+    assert AutoTree.for_model(model, drafter).entry == 0.5
+    identity = id(model)
+    del model, first, second, with_drafter
+    gc.collect()
+    assert not any(key[0] == identity for key in auto_module._MEASURED)
 
 
 def test_the_switch_from_plain_decoding_is_spread_over_the_stints_measured():

@@ -333,7 +333,8 @@ def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
 def test_sessions_share_their_step_functions_while_the_model_lives(trained_llama):
     """A session per request (as `generate` makes) finds the step functions an
     earlier session of the same model and drafter built, and compiled, for a tree;
-    other options get their own, and they go when the model goes."""
+    other options get their own; a model keeps those without a drafter and of its
+    latest drafter, and they go when the model goes."""
     import gc
 
     from tiny_models import tiny_model
@@ -346,7 +347,10 @@ def test_sessions_share_their_step_functions_while_the_model_lives(trained_llama
     tree = TreeConfig(2, 3)
     first = DecodingSession(model, drafter).step_functions(tree)
     assert DecodingSession(model, drafter).step_functions(tree) is first
-    assert DecodingSession(model, None).step_functions(tree) is not first
+    alone = DecodingSession(model, None).step_functions(tree)
+    assert alone is not first
+    # Decoding without the drafter (as `bench --also-no-drafter` alternates) keeps both.
+    assert DecodingSession(model, drafter).step_functions(tree) is first
     assert DecodingSession(model, drafter, compiled=False).step_functions(tree) is not first
     identity = id(model)
     assert any(key[0] == identity for key in decode._SHARED)
@@ -354,6 +358,7 @@ def test_sessions_share_their_step_functions_while_the_model_lives(trained_llama
     other = Drafter(drafter.config)
     assert DecodingSession(model, other).step_functions(tree) is not first
     assert not any(key[0] == identity and key[2] == id(drafter) for key in decode._SHARED)
-    del model, first, other
+    assert DecodingSession(model, None).step_functions(tree) is alone
+    del model, first, other, alone
     gc.collect()
     assert not any(key[0] == identity for key in decode._SHARED)
