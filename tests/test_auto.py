@@ -413,8 +413,8 @@ def test_a_tree_whose_steps_cost_more_than_predicted_gives_way():
 def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
     """A stint's first step drafts what later steps had prefetched: its extra time is
     learned as the switch's cost (`entry`, paid by `switch_seconds`), and the tree's
-    own cost is learned from the steps after it. The tree's first step ever (which
-    builds its functions) teaches neither."""
+    own cost is learned from the steps after it. The tree's first step in the
+    session (which may build its functions) teaches neither."""
     auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1))))
     tree = auto.choose(1)
     index = auto._index[tree]
