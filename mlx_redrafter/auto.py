@@ -25,7 +25,6 @@ decoded since (`probes.py`), so the drafter's estimate follows the text too.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -37,6 +36,7 @@ from .config import PLAIN_DECODING, TreeConfig
 from .distributed import is_main_process
 from .drafter import Drafter
 from .metrics import AcceptanceTable
+from .per_model import PerModel
 
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
 PROBE_LONGEST = 16  # most steps between two drafter probes
@@ -378,28 +378,13 @@ class MeasuredCosts:
         self.stint: float | None = None
 
 
-_MEASURED: dict[tuple[int, int, int], tuple[Drafter | None, MeasuredCosts]] = {}
+_MEASURED: PerModel[MeasuredCosts] = PerModel()
 
 
 def shared_measured_costs(model: nn.Module, drafter: Drafter | None, trees: int) -> MeasuredCosts:
-    """The process's `MeasuredCosts` of (model, drafter) and its `trees` candidates.
-    A model keeps those of decoding without a drafter and of its latest drafter
-    (held, so that its id names no other), and they go when the model is freed."""
-    key = (id(model), id(model.model.embed_tokens), id(drafter))
-    if key not in _MEASURED or len(_MEASURED[key][1].factor) != trees:
-        if not any(k[0] == key[0] for k in _MEASURED):
-            weakref.finalize(model, _forget_model, key[0])
-        for other in [k for k in _MEASURED if k[0] == key[0] and k != key]:
-            another_drafter = drafter is not None and _MEASURED[other][0] is not None
-            if other[1] != key[1] or another_drafter:  # a new embedding, or drafter
-                del _MEASURED[other]
-        _MEASURED[key] = (drafter, MeasuredCosts(trees))
-    return _MEASURED[key][1]
-
-
-def _forget_model(model_id: int) -> None:
-    for key in [k for k in _MEASURED if k[0] == model_id]:
-        del _MEASURED[key]
+    """The process's `MeasuredCosts` of (model, drafter) and its `trees` candidates,
+    kept as `per_model.PerModel` keeps values."""
+    return _MEASURED.get(model, drafter, (trees,), lambda: MeasuredCosts(trees))
 
 
 class AutoTree:

@@ -13,7 +13,6 @@ the tree is the single root token, and every step emits the target's choice.
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -30,6 +29,7 @@ from .kernels import Kernels, select_kernels
 from .logprobs import EmittedLogprobs, TokenLogprob, emitted_logprobs
 from .lookup import lookup_branches
 from .ngrams import table_branches
+from .per_model import PerModel
 from .sampling import (
     choose_tokens,
     choose_tokens_quickly,
@@ -447,7 +447,7 @@ def compile_by_default() -> bool:
     return True
 
 
-_SHARED: dict[tuple[int, int, int, TreeConfig, bool, str], StepFunctions] = {}
+_SHARED: PerModel[StepFunctions] = PerModel()
 
 
 def shared_step_functions(
@@ -465,22 +465,12 @@ def shared_step_functions(
     when the model is freed."""
     compiled = compile_by_default() if compiled is None else compiled
     ops = select_kernels(kernels)
-    embed = id(model.model.embed_tokens)  # a module swapped in place (nn.quantize) is new
-    key = (id(model), embed, id(drafter), tree, compiled, ops.backend)
-    if key not in _SHARED:
-        if not any(k[0] == key[0] for k in _SHARED):
-            weakref.finalize(model, _forget_model, key[0])
-        for other in [k for k in _SHARED if k[0] == key[0] and k[1:3] != key[1:3]]:
-            another_drafter = drafter is not None and other[2] != id(None)
-            if other[1] != embed or another_drafter:  # another embedding's or drafter's
-                del _SHARED[other]
-        _SHARED[key] = step_functions(model, drafter, tree, compiled, ops)
-    return _SHARED[key]
-
-
-def _forget_model(model_id: int) -> None:
-    for key in [k for k in _SHARED if k[0] == model_id]:
-        del _SHARED[key]
+    return _SHARED.get(
+        model,
+        drafter,
+        (tree, compiled, ops.backend),
+        lambda: step_functions(model, drafter, tree, compiled, ops),
+    )
 
 
 def step_functions(

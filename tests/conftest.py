@@ -138,5 +138,6 @@ def fresh_measured_costs(monkeypatch):
     trees measure are shared by a process's sessions (`auto.shared_measured_costs`),
     which would make a test's tree choices hang on the tests before it."""
     from mlx_redrafter import auto
+    from mlx_redrafter.per_model import PerModel
 
-    monkeypatch.setattr(auto, "_MEASURED", {})
+    monkeypatch.setattr(auto, "_MEASURED", PerModel())
