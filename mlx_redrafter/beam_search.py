@@ -100,7 +100,26 @@ def beam_search(
     expand: Callable[[mx.array, mx.array], Expansion] = expand_beams,
     coupling: Coupling | None = None,
 ) -> mx.array:
-    """Draft W candidate continuations of length L for every row.
+    """Draft W candidate continuations of length L for every row: the beams (B, W, L)
+    of `scored_beam_search`, without their scores."""
+    beams, _ = scored_beam_search(
+        drafter, embed, hidden, root_tokens, beam_width, beam_length, expand, coupling
+    )
+    return beams
+
+
+def scored_beam_search(
+    drafter: Drafter,
+    embed: Callable[[mx.array], mx.array],
+    hidden: mx.array,
+    root_tokens: mx.array,
+    beam_width: int,
+    beam_length: int,
+    expand: Callable[[mx.array, mx.array], Expansion] = expand_beams,
+    coupling: Coupling | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Draft W candidate continuations of length L for every row, with the cumulative
+    draft log-probability of each of their prefixes.
 
     drafter: the recurrent drafter; embed: the target's token embedding (ids -> (..., D)).
     hidden: (B, D) target hidden state at the last committed position.
@@ -108,7 +127,10 @@ def beam_search(
     expand: the expansion step (`expand_beams`, or a kernel with identical results).
     coupling: for sampled rows, the target's noise at the drafted positions: each
         step scores the candidates with logits * scale + noise (module docstring).
-    Returns beams (B, W, L) int32 target token ids, best beam first.
+    Returns beams (B, W, L) int32 target token ids, best beam first, and scores
+    (B, W, L) float32: the draft log-probability of each beam's prefix of length
+    k + 1 at the row's temperature (0 for the root; without the coupling's noise),
+    never higher than its parent's.
 
     Scores start at [0, -inf, ...] so the first expansion grows beam 0 only and
     the W picks are W distinct tokens. Each step advances the recurrence with
@@ -117,8 +139,9 @@ def beam_search(
     """
     batch_size, hidden_size = hidden.shape
     beams = mx.broadcast_to(root_tokens[:, None, None], (batch_size, beam_width, 1))  # (B, W, 1)
+    prefix_scores = mx.zeros((batch_size, beam_width, 1), dtype=mx.float32)  # (B, W, 1)
     if beam_length == 1:
-        return beams.astype(mx.int32)
+        return beams.astype(mx.int32), prefix_scores
     scores = mx.where(mx.arange(beam_width) == 0, 0.0, -mx.inf)  # (W,)
     scores = mx.broadcast_to(scores[None], (batch_size, beam_width)).astype(mx.float32)
     state = mx.zeros((batch_size, beam_width, hidden_size), dtype=hidden.dtype)  # (B, W, D)
@@ -127,13 +150,24 @@ def beam_search(
     for depth in range(beam_length - 1):
         state = drafter.recurrent_step(state, embed(last_tokens))  # (B, W, D)
         logits = drafter.draft_logits(beam_hidden, state)  # (B, W, Vd)
+        perturbed = logits
         if coupling is not None:
             scale, noise = coupling.scale[:, None, None], coupling.noise[:, None, depth]
-            logits = logits.astype(mx.float32) * scale + noise  # (B, W, Vd)
-        scores, parents, draft_tokens = expand(scores, logits)  # (B, W) each
+            logits = logits.astype(mx.float32) * scale  # (B, W, Vd) at the row's temperature
+            perturbed = logits + noise
+        scores, parents, draft_tokens = expand(scores, perturbed)  # (B, W) each
         tokens = drafter.to_target_ids(draft_tokens).astype(mx.int32)  # (B, W)
         beams = mx.take_along_axis(beams, parents[:, :, None], axis=1)  # (B, W, k)
         beams = mx.concatenate([beams, tokens[:, :, None]], axis=-1)  # (B, W, k + 1)
+        # The chosen tokens' draft log-probabilities at the row's temperature, without
+        # the noise (which makes every winner look sure): the prefixes' scores.
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (B, W, Vd)
+        chosen = parents * logits.shape[-1] + draft_tokens  # (B, W) flat (beam, token)
+        step = mx.take_along_axis(logprobs.reshape(batch_size, -1), chosen, axis=-1)  # (B, W)
+        prefix_scores = mx.take_along_axis(prefix_scores, parents[:, :, None], axis=1)
+        grown = prefix_scores[:, :, -1] + step  # (B, W)
+        prefix_scores = mx.concatenate([prefix_scores, grown[:, :, None]], axis=-1)  # (B, W, k + 1)
         state = mx.take_along_axis(state, parents[:, :, None], axis=1)  # (B, W, D)
         last_tokens = tokens
-    return beams.astype(mx.int32)
+    return beams.astype(mx.int32), prefix_scores

@@ -109,7 +109,7 @@ def benchmark_methods(config: BenchConfig, has_drafter: bool) -> list[Method]:
             continue  # lookup branches alone (0xL+G) need no drafter
         name = f"redrafter {tree.label}"
         methods.append(Method(name, tree, True))
-        if config.unpacked and tree.beam_length > 1:
+        if config.unpacked and tree.beam_length > 1 and tree.draft_nodes is None:
             unshared = replace(tree, share_prefixes=False, tree_budget=None)
             methods.append(Method(f"{name} unpacked", unshared, True))
     return methods
@@ -310,17 +310,18 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
         summary["accepted_histogram"] = counts
     if isinstance(method.tree, TreeConfig) and accepted:
         trees = [t for r in runs for t in r.tree_sizes]
-        unpacked_size = replace(method.tree, share_prefixes=False, tree_budget=None).num_packed
+        unpacked = replace(method.tree, share_prefixes=False, tree_budget=None, draft_nodes=None)
+        unpacked_size = unpacked.num_packed
         summary["tree_compression"] = statistics.fmean(trees) / unpacked_size
     return summary
 
 
 def tree_shape(tree: TreeConfig | str | None) -> dict[str, Any]:
-    """A fixed tree's W, L, G, Ll and prefix sharing (None for the auto tree)."""
+    """A fixed tree's W, L, G, Ll, prefix sharing, dynamic nodes n and packed tokens N
+    (None for the auto tree)."""
+    names = ("beam_width", "beam_length", "lookup_branches", "lookup_length", "share_prefixes")
     if isinstance(tree, str):
-        return dict.fromkeys(
-            ("beam_width", "beam_length", "lookup_branches", "lookup_length", "share_prefixes")
-        )
+        return dict.fromkeys((*names, "draft_nodes", "num_packed"))
     fixed = tree or PLAIN_DECODING
     return {
         "beam_width": fixed.beam_width,
@@ -328,7 +329,38 @@ def tree_shape(tree: TreeConfig | str | None) -> dict[str, Any]:
         "lookup_branches": fixed.lookup_branches,
         "lookup_length": fixed.lookup_branch_length,
         "share_prefixes": fixed.share_prefixes,
+        "draft_nodes": fixed.draft_nodes,
+        "num_packed": fixed.num_packed,
     }
+
+
+def dynamic_gains(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each dynamic tree (WxL@n) against each fixed tree of the run with the same
+    packed tokens N and the same lookup branches: their tau and the dynamic tree's
+    gain in tau and in speed-up."""
+
+    def lookup(s: dict[str, Any]) -> tuple[Any, ...]:
+        branches = s["lookup_branches"]
+        return (s["num_packed"], branches, s["lookup_length"] if branches else None)
+
+    trees = [s for s in summaries if s.get("num_packed") and s.get("share_prefixes")]
+    fixed = [s for s in trees if s["draft_nodes"] is None and s["beam_length"] > 1]
+    gains = []
+    for dynamic in (s for s in trees if s["draft_nodes"] is not None):
+        for other in (s for s in fixed if lookup(s) == lookup(dynamic)):
+            gains.append(
+                {
+                    "dynamic": dynamic["tree"],
+                    "fixed": other["tree"],
+                    "num_packed": dynamic["num_packed"],
+                    "tau": [dynamic["tau"], other["tau"]],
+                    "tau_gain": dynamic["tau"] / other["tau"] if other["tau"] else 0.0,
+                    "speedup_gain": (
+                        dynamic["speedup"] / other["speedup"] if other["speedup"] else 0.0
+                    ),
+                }
+            )
+    return gains
 
 
 def trees_used(runs: Sequence[Run]) -> dict[str, int]:
@@ -526,6 +558,7 @@ def run_benchmark(
             "categories": list(categories) if categories is not None else None,
         },
         "summary": summaries,
+        "dynamic_trees": dynamic_gains(summaries),
         "batch_sweep": sweep,
         "runs": [asdict(r) for name in runs for r in runs[name]],
     }
@@ -554,6 +587,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"{split_text:>19} {s['peak_memory_gb']:>7.2f} {match:>6}"
         )
     lines += category_lines(result["summary"])
+    lines += dynamic_lines(result.get("dynamic_trees") or [])
     if result["batch_sweep"]:
         lines.append("")
         lines.append(f"{'batch':>5} {'mlx-lm tok/s':>13} {'plain tok/s':>12} {'redrafter':>10}")
@@ -583,6 +617,21 @@ def category_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
                 f"{'  most used tree':<26} "
                 + " ".join(f"{cells[n]['tree'][:12]:>12}" for n in names)
             )
+    return lines
+
+
+def dynamic_lines(gains: Sequence[dict[str, Any]]) -> list[str]:
+    """Dynamic trees against fixed trees of equal N: tau of each and the gains."""
+    if not gains:
+        return []
+    lines = ["", "dynamic tree against fixed trees of equal N (tau, tau gain, speed-up gain)"]
+    for gain in gains:
+        tau_dynamic, tau_fixed = gain["tau"]
+        lines.append(
+            f"  {gain['dynamic']:<14} vs {gain['fixed']:<14} N={gain['num_packed']:<3} "
+            f"tau {tau_dynamic:.2f} vs {tau_fixed:.2f}: {gain['tau_gain'] - 1:+.1%} tau, "
+            f"{gain['speedup_gain'] - 1:+.1%} speed"
+        )
     return lines
 
 

@@ -32,9 +32,14 @@ def _speculative(summary: list[dict[str, Any]], with_lookup: bool) -> list[dict[
     ]
 
 
+def _grid_trees(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fixed drafter trees of a W x L grid (a dynamic tree verifies fewer of its W x L)."""
+    return [s for s in _speculative(summary, with_lookup=False) if not s.get("draft_nodes")]
+
+
 def speedup_heatmap(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
-    entries = _speculative(result["summary"], with_lookup=False)  # a W x L grid
+    entries = _grid_trees(result["summary"])
     widths = sorted({s["beam_width"] for s in entries})
     lengths = sorted({s["beam_length"] for s in entries})
     grid = [[float("nan")] * len(lengths) for _ in widths]
@@ -125,7 +130,7 @@ def plot_load(rows: list[dict[str, Any]], path: Path) -> Path:
 def write_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [tokens_per_second(result, out_dir / "tokens_per_second.png")]
-    if _speculative(result["summary"], with_lookup=False):
+    if _grid_trees(result["summary"]):
         paths.append(speedup_heatmap(result, out_dir / "speedup_heatmap.png"))
     if _speculative(result["summary"], with_lookup=True):
         paths.append(accepted_histogram(result, out_dir / "accepted_histogram.png"))

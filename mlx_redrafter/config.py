@@ -30,6 +30,10 @@ class TreeConfig:
     lookup_table: a lookup branch with no match in the row's text takes the
         continuation the drafter's n-gram table knows (`ngrams.py`), when the drafter
         ships one; False keeps the drafter's best beam there (written ':text').
+    draft_nodes: a dynamic tree (written 'WxL@n'): of the distinct prefixes the W
+        beams draft, the n with the highest cumulative draft probability, the root
+        included, are verified (`tree.keep_best_nodes`), as EAGLE-2 chooses its
+        nodes; the rest are cut. None verifies every drafted prefix (a fixed tree).
     """
 
     beam_width: int = 4
@@ -40,6 +44,7 @@ class TreeConfig:
     lookup_ngram: int = 3
     lookup_length: int | None = None
     lookup_table: bool = True
+    draft_nodes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "lookup_branches"):
@@ -67,6 +72,7 @@ class TreeConfig:
             object.__setattr__(self, "lookup_length", None)  # one spelling of one config
         if not self.lookup_branches:
             object.__setattr__(self, "lookup_table", True)
+        self._check_draft_nodes()
         if self.tree_budget is not None and not (
             self.beam_length <= self.tree_budget <= self.max_tree_size
         ):
@@ -75,6 +81,24 @@ class TreeConfig:
                 f"{self.max_tree_size} for W={self.beam_width}, L={self.beam_length}; "
                 f"got {self.tree_budget}"
             )
+
+    def _check_draft_nodes(self) -> None:
+        if self.draft_nodes is None:
+            return
+        most = 1 + self.beam_width * (self.beam_length - 1)
+        if most < 2:
+            raise ValueError(
+                "a dynamic tree (WxL@n) chooses among drafted tokens: it needs W >= 1 "
+                f"and L >= 2, got W={self.beam_width}, L={self.beam_length}"
+            )
+        if not isinstance(self.draft_nodes, int) or not 2 <= self.draft_nodes <= most:
+            raise ValueError(
+                f"a dynamic tree keeps between 2 and {most} drafted prefixes (the root "
+                f"included) of W={self.beam_width} beams of L={self.beam_length}; got "
+                f"draft_nodes={self.draft_nodes!r}"
+            )
+        if not self.share_prefixes:
+            raise ValueError("a dynamic tree chooses distinct prefixes: share_prefixes=True")
 
     @property
     def num_branches(self) -> int:
@@ -97,6 +121,8 @@ class TreeConfig:
     def max_tree_size(self) -> int:
         """Most packed tokens a tree of these beams can need."""
         drafted = self.beam_width * (self.beam_length - 1)
+        if self.draft_nodes is not None:
+            drafted = self.draft_nodes - 1
         looked_up = self.lookup_branches * (self.lookup_branch_length - 1)
         if self.share_prefixes:
             return 1 + drafted + looked_up
@@ -117,14 +143,23 @@ class TreeConfig:
         if not self.lookup_branches:
             return PLAIN_DECODING
         length = self.lookup_branch_length
-        return replace(self, beam_width=0, beam_length=1, tree_budget=None, lookup_length=length)
+        return replace(
+            self,
+            beam_width=0,
+            beam_length=1,
+            tree_budget=None,
+            lookup_length=length,
+            draft_nodes=None,
+        )
 
     @property
     def label(self) -> str:
-        """'WxL'; 'WxL+G' with G lookup branches of L tokens; 'WxL+GxLl' with G lookup
-        branches of Ll tokens; ':text' when they do not use the n-gram table (what
-        `parse` reads)."""
+        """'WxL'; 'WxL@n' for a dynamic tree of n drafted prefixes; 'WxL+G' with G
+        lookup branches of L tokens; 'WxL+GxLl' with G lookup branches of Ll tokens;
+        ':text' when they do not use the n-gram table (what `parse` reads)."""
         shape = f"{self.beam_width}x{self.beam_length}"
+        if self.draft_nodes is not None:
+            shape = f"{shape}@{self.draft_nodes}"
         if not self.lookup_branches:
             return shape
         source = "" if self.lookup_table else ":text"
@@ -136,7 +171,8 @@ class TreeConfig:
     def parse(cls, text: str) -> TreeConfig:
         """'4x4' -> W=4, L=4; '1x3+1' -> W=1, L=3 and one lookup branch of 3 tokens;
         '1x3+1x6' -> the same with a lookup branch of 6 tokens; '1x3+1x6:text' -> the
-        lookup branch without the n-gram table; 'plain' -> 1x1."""
+        lookup branch without the n-gram table; '4x4@7' -> a dynamic tree: the 7 most
+        probable of the prefixes 4 beams of 4 draft; 'plain' -> 1x1."""
         item = text.strip().lower()
         if item == "plain":
             return PLAIN_DECODING
@@ -147,17 +183,22 @@ class TreeConfig:
                 "with lookup branches, e.g. 1x3+1x7:text"
             )
         shape, plus, lookup = item.partition("+")
+        shape, at, nodes = shape.partition("@")
         width, sep, length = shape.partition("x")
         count, lookup_sep, lookup_length = lookup.partition("x")
         numbers = (
-            [width, length] + ([count] if plus else []) + ([lookup_length] if lookup_sep else [])
+            [width, length]
+            + ([count] if plus else [])
+            + ([lookup_length] if lookup_sep else [])
+            + ([nodes] if at else [])
         )
         if not sep or not all(number.isdigit() for number in numbers):
             raise ValueError(
                 f"{text!r} is not a tree: write WxL (drafter beams x beam length, "
                 "e.g. 2x2), WxL+G (G lookup branches from the text, e.g. 1x3+1) or "
                 "WxL+GxLl (lookup branches of Ll tokens, e.g. 1x3+1x6; ':text' after it "
-                "leaves the n-gram table out)"
+                "leaves the n-gram table out); WxL@n keeps the n most probable drafted "
+                "prefixes (a dynamic tree, e.g. 4x4@7)"
             )
         return cls(
             int(width),
@@ -165,6 +206,7 @@ class TreeConfig:
             lookup_branches=int(count or 0),
             lookup_length=int(lookup_length) if lookup_sep else None,
             lookup_table=not colon,
+            draft_nodes=int(nodes) if at else None,
         )
 
 

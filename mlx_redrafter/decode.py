@@ -22,7 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .accept import Acceptance
-from .beam_search import Coupling, beam_search
+from .beam_search import Coupling, beam_search, scored_beam_search
 from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
@@ -38,7 +38,7 @@ from .sampling import (
     scramble_keys,
 )
 from .target import TargetCache, output_size, target_forward, target_hidden
-from .tree import PackedTree, chain_tree, pad_beams
+from .tree import PackedTree, chain_tree, keep_best_nodes, pad_beams
 
 HINDSIGHT_KEPT = 64  # most unchecked step starts a row keeps for a hindsight check
 
@@ -515,16 +515,26 @@ def _drafter_beams(
     if drafter is None or not plan.drafts:
         return _repeat_root(plan.lookup_length if plan.lookup_branches else 1)
     embed = model.model.embed_tokens
-    width, length = plan.tree.beam_width, plan.tree.beam_length
+    width, length, nodes = plan.tree.beam_width, plan.tree.beam_length, plan.tree.draft_nodes
+
+    def beams_of(hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None) -> mx.array:
+        if nodes is None:  # a fixed tree: every drafted prefix
+            return beam_search(
+                drafter, embed, hidden, root_tokens, width, length, ops.expand, coupling
+            )
+        # A dynamic tree: the `nodes` most probable prefixes of the W beams.
+        beams, scores = scored_beam_search(
+            drafter, embed, hidden, root_tokens, width, length, ops.expand, coupling
+        )  # (B, W, L) each
+        return keep_best_nodes(beams, scores, nodes)
 
     def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
-        return beam_search(drafter, embed, hidden, root_tokens, width, length, expand=ops.expand)
+        return beams_of(hidden, root_tokens, None)
 
     def coupled(
         hidden: mx.array, root_tokens: mx.array, scale: mx.array, noise: mx.array
     ) -> mx.array:
-        coupling = Coupling(scale, noise)
-        return beam_search(drafter, embed, hidden, root_tokens, width, length, ops.expand, coupling)
+        return beams_of(hidden, root_tokens, Coupling(scale, noise))
 
     if compiled:
         search = mx.compile(search, inputs=[drafter.state, embed.state])

@@ -76,6 +76,38 @@ def prefix_owners(beams: mx.array) -> mx.array:
     return mx.min(candidates, axis=2).astype(mx.int32)  # (B, W, L)
 
 
+def keep_best_nodes(beams: mx.array, scores: mx.array, count: int) -> mx.array:
+    """A dynamic tree: keep the `count` distinct prefixes of the beams with the highest
+    scores (cumulative draft log-probabilities), as EAGLE-2 reranks its draft tree,
+    and end each beam (ABSENT) where its next prefix was not kept.
+
+    beams: (B, W, L); scores: (B, W, L), a prefix never above its parent (so the kept
+    prefixes form a tree); count: n >= 1, the root included -> beams (B, W, L).
+    Ties go to the prefix packed first (beam by beam, depth by depth), which puts a
+    parent before its child. A row with fewer distinct prefixes keeps them all.
+    """
+    batch_size, beam_width, beam_length = beams.shape
+    flat_size = beam_width * beam_length
+    beam_index = mx.arange(beam_width, dtype=mx.int32)[None, :, None]  # (1, W, 1)
+    depth_index = mx.arange(beam_length, dtype=mx.int32)  # (L,)
+    owners = prefix_owners(beams)  # (B, W, L)
+    present = mx.cumprod((beams >= 0).astype(mx.int32), axis=-1) > 0  # (B, W, L)
+    is_new = ((owners == beam_index) & present).reshape(batch_size, flat_size)  # (B, W*L)
+    flat_scores = scores.astype(mx.float32).reshape(batch_size, flat_size)  # (B, W*L)
+    # Rank of each distinct prefix: the distinct ones above it, then those tied before it.
+    this, other = flat_scores[:, :, None], flat_scores[:, None, :]  # (B, W*L, 1), (B, 1, W*L)
+    flat_index = mx.arange(flat_size, dtype=mx.int32)
+    earlier = flat_index[None, :] < flat_index[:, None]  # (W*L, W*L) [i, j]: j before i
+    ahead = ((other > this) | ((other == this) & earlier)) & is_new[:, None, :]
+    rank = mx.sum(ahead, axis=-1)  # (B, W*L)
+    kept_new = is_new & (rank < count)  # (B, W*L)
+    owner_flat = (owners * beam_length + depth_index).reshape(batch_size, flat_size)
+    kept = mx.take_along_axis(kept_new, owner_flat, axis=-1)  # (B, W*L)
+    kept = kept.reshape(batch_size, beam_width, beam_length) & present  # (B, W, L)
+    kept = mx.cumprod(kept.astype(mx.int32), axis=-1) > 0  # a beam ends at its first cut
+    return mx.where(kept, beams, ABSENT).astype(beams.dtype)
+
+
 def pack_tree(beams: mx.array, num_packed: int, share_prefixes: bool = True) -> PackedTree:
     """Pack beams (B, W, L) into a prefix tree of num_packed tokens per row.
 

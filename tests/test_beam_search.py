@@ -5,6 +5,7 @@ import random
 
 import mlx.core as mx
 import pytest
+from tiny_models import VOCAB_SIZE, tiny_model
 
 from mlx_redrafter.beam_search import expand_beams
 
@@ -67,22 +68,21 @@ def test_matches_brute_force_on_random_inputs_with_ties(shape):
         assert flat == brute_force(scores, logits)
 
 
+def tiny_drafter():
+    """A tiny llama target, a fresh drafter for it, and the target's embedding."""
+    from mlx_redrafter.drafter import Drafter
+
+    model = tiny_model("llama")
+    return model, Drafter.create(model), model.model.embed_tokens
+
+
 def test_coupling_moves_only_the_sampled_rows_guesses():
     """beam_search with a Coupling: a greedy row (scale 1, no noise) drafts exactly what
     it drafts without one; a sampled row whose noise at a position favours a token by
     far drafts that token there."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_models import VOCAB_SIZE, tiny_model
-
     from mlx_redrafter.beam_search import Coupling, beam_search
-    from mlx_redrafter.drafter import Drafter
 
-    model = tiny_model("llama")
-    drafter = Drafter.create(model)
-    embed = model.model.embed_tokens
+    model, drafter, embed = tiny_drafter()
     hidden = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(3))
     roots = mx.array([5, 7])
     alone = beam_search(drafter, embed, hidden, roots, 2, 4)
@@ -92,3 +92,47 @@ def test_coupling_moves_only_the_sampled_rows_guesses():
     coupled = beam_search(drafter, embed, hidden, roots, 2, 4, coupling=coupling)
     assert coupled[0].tolist() == alone[0].tolist()
     assert coupled[1, 0, 2].item() == 11
+
+
+def test_scored_beam_search_gives_the_beams_and_their_prefixes_log_probabilities():
+    """The scores are the cumulative draft log-probabilities of each prefix: 0 at the
+    root, never rising along a beam, and the beams are beam_search's own."""
+    from mlx_redrafter.beam_search import beam_search, scored_beam_search
+
+    model, drafter, embed = tiny_drafter()
+    hidden = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(4))
+    roots = mx.array([5, 7])
+    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 3, 4)
+    assert beams.tolist() == beam_search(drafter, embed, hidden, roots, 3, 4).tolist()
+    assert scores.shape == (2, 3, 4)
+    assert mx.all(scores[:, :, 0] == 0).item()
+    assert mx.all(scores[:, :, 1:] <= scores[:, :, :-1]).item()
+    # The first drafted token's score is its log-softmax under the drafter.
+    state = drafter.recurrent_step(mx.zeros((2, 1, hidden.shape[1])), embed(roots[:, None]))
+    logits = drafter.draft_logits(hidden[:, None, :], state)[:, 0]  # (B, Vd)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    first = drafter.to_target_ids(mx.argmax(logits, axis=-1))
+    assert beams[:, 0, 1].tolist() == first.tolist()
+    best = mx.max(logprobs, axis=-1)
+    assert mx.allclose(scores[:, 0, 1], best, atol=1e-5).item()
+
+
+def test_a_sampled_rows_prefix_scores_leave_the_targets_noise_out():
+    """Noise that forces a token makes it win the perturbed contest, but its prefix
+    score stays its draft log-probability at the row's temperature: the chance a
+    sample takes it, not the certainty of the perturbed argmax."""
+    from mlx_redrafter.beam_search import Coupling, scored_beam_search
+
+    model, drafter, embed = tiny_drafter()
+    hidden = mx.random.normal((1, model.args.hidden_size), key=mx.random.key(5))
+    roots = mx.array([5])
+    noise = mx.zeros((1, 1, VOCAB_SIZE))
+    state = drafter.recurrent_step(mx.zeros((1, 1, hidden.shape[1])), embed(roots[:, None]))
+    logits = drafter.draft_logits(hidden[:, None, :], state)[0, 0] * 2.0  # temperature 0.5
+    logprobs = logits - mx.logsumexp(logits)
+    forced = int(mx.argmin(logits).item())  # the drafter's least likely token
+    noise[0, 0, forced] = 1e4
+    coupling = Coupling(mx.array([2.0]), noise)
+    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 1, 2, coupling=coupling)
+    assert beams[0, 0, 1].item() == drafter.to_target_ids(mx.array(forced)).item()
+    assert scores[0, 0, 1].item() == pytest.approx(logprobs[forced].item(), abs=1e-4)

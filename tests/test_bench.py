@@ -37,6 +37,7 @@ def result(trained_llama):
             TreeConfig(3, 3),
             TreeConfig(2, 4),
             TreeConfig(1, 2, lookup_branches=1, lookup_length=4),
+            TreeConfig(4, 3, draft_nodes=7),
             "auto",
         ),
         warmup_tokens=4,
@@ -60,9 +61,28 @@ def test_every_method_runs_on_every_prompt(result):
         "redrafter 2x4 unpacked",
         "redrafter 1x2+1x4",
         "redrafter 1x2+1x4 unpacked",
+        "redrafter 4x3@7",
         "redrafter auto",
     ]
     assert len(result["runs"]) == 3 * len(names)
+
+
+def test_dynamic_trees_are_compared_with_fixed_trees_of_equal_size(result):
+    """4x3@7 verifies 7 tokens, as 3x3 and 2x4 do (1x2+1x4 has 5, auto none): the
+    run reports its tau against each of those two, and the table prints it."""
+    tau = {s["tree"]: s["tau"] for s in result["summary"]}
+    gains = result["dynamic_trees"]
+    assert [(g["dynamic"], g["fixed"], g["num_packed"]) for g in gains] == [
+        ("4x3@7", "3x3", 7),
+        ("4x3@7", "2x4", 7),
+    ]
+    for gain in gains:
+        assert gain["tau"] == [tau["4x3@7"], tau[gain["fixed"]]]
+        assert gain["tau_gain"] == pytest.approx(tau["4x3@7"] / tau[gain["fixed"]])
+    assert tau["4x3@7"] > 1.2  # the dynamic tree really accepts drafted tokens
+    table = format_table(result)
+    assert "dynamic tree against fixed trees of equal N" in table
+    assert "4x3@7          vs 3x3" in table
 
 
 def test_greedy_outputs_match_the_baseline_and_figures_are_sane(result):

@@ -66,8 +66,18 @@ def test_sliding_window_is_exercised():
         TreeConfig(3, 3),
         TreeConfig(4, 5, share_prefixes=False),
         TreeConfig(4, 5, tree_budget=7),
+        TreeConfig(4, 5, draft_nodes=7),
+        TreeConfig(3, 4, draft_nodes=5, lookup_branches=1, lookup_length=6),
     ],
-    ids=["W1L5", "W4L5", "W3L3", "W4L5-unshared", "W4L5-budget7"],
+    ids=[
+        "W1L5",
+        "W4L5",
+        "W3L3",
+        "W4L5-unshared",
+        "W4L5-budget7",
+        "W4L5-dynamic7",
+        "dynamic+lookup",
+    ],
 )
 def test_trained_drafter_matches_mlx_lm_and_accepts(trained_llama, beam):
     model, drafter, trained_prompts = trained_llama

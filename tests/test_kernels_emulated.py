@@ -226,10 +226,12 @@ def decode(model, drafter, beam, sampling, kernels):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_decoding_with_emulated_kernels_matches_the_fallback(emulator, temperature):
+@pytest.mark.parametrize(
+    "beam", [TreeConfig(3, 4), TreeConfig(3, 4, draft_nodes=6)], ids=["fixed", "dynamic"]
+)
+def test_decoding_with_emulated_kernels_matches_the_fallback(emulator, temperature, beam):
     model = prepare_target(tiny_model("llama"))
     drafter = Drafter.create(model)
-    beam = TreeConfig(3, 4)
     sampling = SamplingConfig(temperature=temperature)
     emulated = emulator.with_replacements({})
     want, _ = decode(model, drafter, beam, sampling, "mlx")

@@ -146,6 +146,17 @@ def test_lookup_beams_sample_the_target_distribution(small_vocab_target):
         assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3, beam
 
 
+def test_dynamic_tree_sampling_is_exact(small_vocab_target):
+    model, drafter = small_vocab_target
+    sampling = SamplingConfig(temperature=1.0)
+    expected = exact_distribution(model, sampling)
+    counts, accepted = sample_sequences(
+        model, drafter, sampling, TreeConfig(3, 3, draft_nodes=4), seed=3
+    )
+    assert accepted > SAMPLES // 2, "drafts must be accepted often for the test to mean much"
+    assert chi_square_p_value(counts, expected, SAMPLES) > 1e-3
+
+
 def test_unshared_tree_sampling_is_exact(small_vocab_target):
     model, drafter = small_vocab_target
     sampling = SamplingConfig(temperature=1.0)
@@ -276,6 +287,7 @@ def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_tar
         TreeConfig(2, 5),
         TreeConfig(4, 4, share_prefixes=False),
         TreeConfig(4, 4, tree_budget=6),
+        TreeConfig(4, 4, draft_nodes=5),
         TreeConfig(1, 3, lookup_branches=1),
         TreeConfig(2, 4, lookup_branches=2),
         TreeConfig(1, 2, lookup_branches=1, lookup_length=5),

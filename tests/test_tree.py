@@ -8,6 +8,7 @@ from mlx_redrafter.tree import (
     ABSENT,
     attention_mask,
     chain_tree,
+    keep_best_nodes,
     key_positions,
     pack_tree,
     pad_beams,
@@ -160,3 +161,82 @@ def test_beam_config_sizes():
     )
     assert TreeConfig(1, 3, lookup_branches=1, lookup_length=7).depth == 7
     assert TreeConfig(2, 4, lookup_branches=1, lookup_length=2).depth == 4
+    # A dynamic tree verifies its n drafted prefixes (the root included) and its branches.
+    assert TreeConfig(4, 4, draft_nodes=7).num_packed == 7
+    assert TreeConfig(4, 4, draft_nodes=7, lookup_branches=1, lookup_length=7).num_packed == 13
+
+
+def test_dynamic_tree_notation_and_errors():
+    tree = TreeConfig.parse("4x4@7+1x7:text")
+    assert (tree.beam_width, tree.beam_length, tree.draft_nodes) == (4, 4, 7)
+    assert (tree.lookup_branches, tree.lookup_branch_length, tree.lookup_table) == (1, 7, False)
+    assert tree.label == "4x4@7+1x7:text"
+    assert TreeConfig.parse("8x4@10").label == "8x4@10"
+    assert tree.lookup_only.label == "0x1+1x7:text"
+    with pytest.raises(ValueError, match="between 2 and 13"):
+        TreeConfig.parse("4x4@14")
+    with pytest.raises(ValueError, match="W >= 1 and L >= 2"):
+        TreeConfig.parse("1x1@2")
+    with pytest.raises(ValueError, match="share_prefixes"):
+        TreeConfig(4, 4, share_prefixes=False, draft_nodes=5)
+    with pytest.raises(ValueError, match="dynamic tree"):
+        TreeConfig.parse("4x4@")
+
+
+# Cumulative draft log-probabilities of BEAMS' prefixes: 5 (0), 5-7 (-0.5), 5-3 (-0.7),
+# 5-3-9 (-0.8), 5-7-9 (-1.0), 5-7-2 (-2.0).
+SCORES = mx.array([[[0.0, -0.5, -1.0], [0.0, -0.5, -2.0], [0.0, -0.7, -0.8]]])
+
+
+@pytest.mark.parametrize(
+    "count,kept",
+    [
+        (1, [[5], [5], [5]]),
+        (2, [[5, 7], [5, 7], [5]]),
+        (3, [[5, 7], [5, 7], [5, 3]]),
+        (4, [[5, 7], [5, 7], [5, 3, 9]]),
+        (5, [[5, 7, 9], [5, 7], [5, 3, 9]]),
+        (6, [[5, 7, 9], [5, 7, 2], [5, 3, 9]]),
+        (9, [[5, 7, 9], [5, 7, 2], [5, 3, 9]]),
+    ],
+)
+def test_a_dynamic_tree_keeps_the_most_probable_prefixes(count, kept):
+    beams = keep_best_nodes(BEAMS, SCORES, count)
+    expected = [row + [ABSENT] * (3 - len(row)) for row in kept]
+    assert beams.tolist() == [expected]
+    distinct = min(count, 6)
+    tree = pack_tree(beams, num_packed=distinct)
+    assert tree.num_tokens.tolist() == [distinct]
+
+
+def test_a_dynamic_tree_breaks_ties_in_packed_order_so_parents_come_first():
+    # Every prefix scores the same: the first `count` in packed order are kept.
+    beams = keep_best_nodes(BEAMS, mx.zeros(BEAMS.shape), 4)
+    assert beams.tolist() == [[[5, 7, 9], [5, 7, 2], [5, ABSENT, ABSENT]]]
+
+
+def test_a_dynamic_tree_is_a_tree_of_exactly_n_prefixes_on_random_beams():
+    key = mx.random.key(7)
+    for trial in range(20):
+        key, k1, k2 = mx.random.split(key, 3)
+        beams = mx.random.randint(0, 3, (2, 5, 4), key=k1)  # few tokens: shared prefixes
+        beams[:, :, 0] = 1  # one root per row
+        # A log-probability per (depth, token), so equal prefixes score alike.
+        table = -mx.random.uniform(shape=(4, 3), key=k2)  # (L, V)
+        steps = mx.take_along_axis(table[None, None], beams[..., None], axis=-1)[..., 0]
+        steps[:, :, 0] = 0.0
+        scores = mx.cumsum(steps, axis=-1)  # a prefix never above its parent
+        count = 2 + trial % 8
+        kept = keep_best_nodes(beams, scores, count)
+        full = pack_tree(beams, num_packed=20)
+        tree = pack_tree(kept, num_packed=20)
+        distinct = full.num_tokens.tolist()
+        assert tree.num_tokens.tolist() == [min(count, n) for n in distinct]
+        # Cut beams end at the cut: a kept token is always followed by kept or ABSENT ones.
+        present = (kept >= 0).astype(mx.int32)
+        assert mx.all(mx.cumprod(present, axis=-1) == present).item()
+        # No cut prefix scores above a kept one (ties aside, they are kept in order).
+        cut = (beams >= 0) & (kept < 0)
+        lowest_kept = mx.min(mx.where(kept >= 0, scores, mx.inf), axis=(1, 2))  # (B,)
+        highest_cut = mx.max(mx.where(cut, scores, -mx.inf), axis=(1, 2))  # (B,)
+        assert mx.all(highest_cut <= lowest_kept).item()
