@@ -317,37 +317,37 @@ def summarize(method: Method, runs: list[Run], baseline: list[Run]) -> dict[str,
 
 
 def tree_shape(tree: TreeConfig | str | None) -> dict[str, Any]:
-    """A fixed tree's W, L, G, Ll, prefix sharing, dynamic nodes n and packed tokens N
-    (None for the auto tree)."""
-    names = ("beam_width", "beam_length", "lookup_branches", "lookup_length", "share_prefixes")
-    if isinstance(tree, str):
-        return dict.fromkeys((*names, "draft_nodes", "num_packed"))
-    fixed = tree or PLAIN_DECODING
-    return {
+    """A fixed tree's W, L, G, Ll, lookup source, prefix sharing, dynamic tree's n (None
+    for a full tree) and packed tokens N (all None for the auto tree)."""
+    fixed = tree if isinstance(tree, TreeConfig) else PLAIN_DECODING
+    shape = {
         "beam_width": fixed.beam_width,
         "beam_length": fixed.beam_length,
         "lookup_branches": fixed.lookup_branches,
         "lookup_length": fixed.lookup_branch_length,
+        "lookup_table": fixed.lookup_table,
         "share_prefixes": fixed.share_prefixes,
         "draft_nodes": fixed.draft_nodes,
         "num_packed": fixed.num_packed,
     }
+    return dict.fromkeys(shape) if isinstance(tree, str) else shape
 
 
 def dynamic_gains(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each dynamic tree (WxL@n) against each fixed tree of the run with the same
+    """Each dynamic tree (WxL@n) against each full tree of the run with the same
     packed tokens N and the same lookup branches: their tau and the dynamic tree's
-    gain in tau and in speed-up."""
+    gain in tau and in speed-up (0 where the full tree's is 0)."""
 
-    def lookup(s: dict[str, Any]) -> tuple[Any, ...]:
+    def size_key(s: dict[str, Any]) -> tuple[Any, ...]:
         branches = s["lookup_branches"]
-        return (s["num_packed"], branches, s["lookup_length"] if branches else None)
+        source = (s["lookup_length"], s["lookup_table"]) if branches else None
+        return (s["num_packed"], branches, source)
 
     trees = [s for s in summaries if s.get("num_packed") and s.get("share_prefixes")]
-    fixed = [s for s in trees if s["draft_nodes"] is None and s["beam_length"] > 1]
+    full = [s for s in trees if s["draft_nodes"] is None and s["beam_length"] > 1]
     gains = []
     for dynamic in (s for s in trees if s["draft_nodes"] is not None):
-        for other in (s for s in fixed if lookup(s) == lookup(dynamic)):
+        for other in (s for s in full if size_key(s) == size_key(dynamic)):
             gains.append(
                 {
                     "dynamic": dynamic["tree"],
@@ -621,7 +621,7 @@ def category_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def dynamic_lines(gains: Sequence[dict[str, Any]]) -> list[str]:
-    """Dynamic trees against fixed trees of equal N: tau of each and the gains."""
+    """Dynamic trees against full trees of equal N: tau of each and the gains."""
     if not gains:
         return []
     lines = ["", "dynamic tree against fixed trees of equal N (tau, tau gain, speed-up gain)"]

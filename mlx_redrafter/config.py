@@ -33,7 +33,7 @@ class TreeConfig:
     draft_nodes: a dynamic tree (written 'WxL@n'): of the distinct prefixes the W
         beams draft, the n with the highest cumulative draft probability, the root
         included, are verified (`tree.keep_best_nodes`), as EAGLE-2 chooses its
-        nodes; the rest are cut. None verifies every drafted prefix (a fixed tree).
+        nodes; the rest are cut. None verifies every drafted prefix (a full tree).
     """
 
     beam_width: int = 4
@@ -99,6 +99,8 @@ class TreeConfig:
             )
         if not self.share_prefixes:
             raise ValueError("a dynamic tree chooses distinct prefixes: share_prefixes=True")
+        if self.tree_budget is not None:
+            raise ValueError("a dynamic tree's draft_nodes is its budget: leave tree_budget None")
 
     @property
     def num_branches(self) -> int:

@@ -101,7 +101,8 @@ def keep_best_nodes(beams: mx.array, scores: mx.array, count: int) -> mx.array:
     ahead = ((other > this) | ((other == this) & earlier)) & is_new[:, None, :]
     rank = mx.sum(ahead, axis=-1)  # (B, W*L)
     kept_new = is_new & (rank < count)  # (B, W*L)
-    owner_flat = (owners * beam_length + depth_index).reshape(batch_size, flat_size)
+    owner_flat = owners * beam_length + depth_index  # (B, W, L) flat index of each owner
+    owner_flat = owner_flat.reshape(batch_size, flat_size)  # (B, W*L)
     kept = mx.take_along_axis(kept_new, owner_flat, axis=-1)  # (B, W*L)
     kept = kept.reshape(batch_size, beam_width, beam_length) & present  # (B, W, L)
     kept = mx.cumprod(kept.astype(mx.int32), axis=-1) > 0  # a beam ends at its first cut

@@ -825,6 +825,9 @@ def test_measured_acceptance_decays_with_depth_and_grows_with_width(trained_llam
         for narrow, wide in zip(rows, rows[1:]):
             assert all(w >= n for n, w in zip(narrow, wide))
     assert table.beams[0][0] > 0.3  # the trained drafter is often right
+    # A dynamic tree's cut beams would undercount: refused before decoding anything.
+    with pytest.raises(ValueError, match="full tree, not the dynamic 8x7@20"):
+        measure_acceptance(model, drafter, prompts[:1], tree=TreeConfig.parse("8x7@20"))
 
 
 def test_the_shipped_priors_are_valid_tables():

@@ -102,9 +102,11 @@ def test_scored_beam_search_gives_the_beams_and_their_prefixes_log_probabilities
     model, drafter, embed = tiny_drafter()
     hidden = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(4))
     roots = mx.array([5, 7])
-    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 3, 4)
-    assert beams.tolist() == beam_search(drafter, embed, hidden, roots, 3, 4).tolist()
-    assert scores.shape == (2, 3, 4)
+    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 3, 2)
+    assert beams.tolist() == beam_search(drafter, embed, hidden, roots, 3, 2).tolist()
+    deep, deep_scores = scored_beam_search(drafter, embed, hidden, roots, 3, 4)
+    assert mx.all(deep_scores[:, :, 1:] <= deep_scores[:, :, :-1]).item()
+    assert scores.shape == (2, 3, 2)
     assert mx.all(scores[:, :, 0] == 0).item()
     assert mx.all(scores[:, :, 1:] <= scores[:, :, :-1]).item()
     # The first drafted token's score is its log-softmax under the drafter.
@@ -136,3 +138,27 @@ def test_a_sampled_rows_prefix_scores_leave_the_targets_noise_out():
     beams, scores = scored_beam_search(drafter, embed, hidden, roots, 1, 2, coupling=coupling)
     assert beams[0, 0, 1].item() == drafter.to_target_ids(mx.array(forced)).item()
     assert scores[0, 0, 1].item() == pytest.approx(logprobs[forced].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_dynamic_trees_step_drafts_the_most_probable_prefixes(compiled):
+    """The step functions of `4x4@5` draft exactly `keep_best_nodes` of the scored beam
+    search (so the tree is chosen by score, not cut in packed order), and pack them
+    into 5 tokens."""
+    from mlx_redrafter.beam_search import scored_beam_search
+    from mlx_redrafter.config import TreeConfig
+    from mlx_redrafter.decode import step_functions
+    from mlx_redrafter.target import prepare_target
+    from mlx_redrafter.tree import keep_best_nodes, pack_tree
+
+    model, drafter, embed = tiny_drafter()
+    prepare_target(model)
+    steps = step_functions(model, drafter, TreeConfig(4, 4, draft_nodes=5), compiled=compiled)
+    hidden = mx.random.normal((3, model.args.hidden_size), key=mx.random.key(6))
+    roots = mx.array([5, 7, 9])
+    drafted = steps.draft(hidden, roots, None)  # (B, W, L)
+    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 4, 4)
+    assert drafted.tolist() == keep_best_nodes(beams, scores, 5).tolist()
+    assert drafted.tolist() != pack_tree(beams, 5).tokens.tolist()  # not the full beams
+    assert mx.sum(drafted < 0).item() > 0  # some prefixes were cut
+    assert steps.pack(drafted).num_tokens.tolist() == [5, 5, 5]

@@ -288,6 +288,7 @@ def test_seeded_sampling_emits_exactly_what_plain_sampling_emits(small_vocab_tar
         TreeConfig(4, 4, share_prefixes=False),
         TreeConfig(4, 4, tree_budget=6),
         TreeConfig(4, 4, draft_nodes=5),
+        TreeConfig(3, 3, draft_nodes=4, lookup_branches=1, lookup_length=5),
         TreeConfig(1, 3, lookup_branches=1),
         TreeConfig(2, 4, lookup_branches=2),
         TreeConfig(1, 2, lookup_branches=1, lookup_length=5),

@@ -179,13 +179,15 @@ def test_dynamic_tree_notation_and_errors():
         TreeConfig.parse("1x1@2")
     with pytest.raises(ValueError, match="share_prefixes"):
         TreeConfig(4, 4, share_prefixes=False, draft_nodes=5)
+    with pytest.raises(ValueError, match="tree_budget"):
+        TreeConfig(4, 4, draft_nodes=7, tree_budget=5)
     with pytest.raises(ValueError, match="dynamic tree"):
         TreeConfig.parse("4x4@")
 
 
-# Cumulative draft log-probabilities of BEAMS' prefixes: 5 (0), 5-7 (-0.5), 5-3 (-0.7),
-# 5-3-9 (-0.8), 5-7-9 (-1.0), 5-7-2 (-2.0).
-SCORES = mx.array([[[0.0, -0.5, -1.0], [0.0, -0.5, -2.0], [0.0, -0.7, -0.8]]])
+# Cumulative draft log-probabilities of BEAMS' prefixes (the beams best first): 5 (0),
+# 5-7 (-0.5), 5-3 (-0.7), 5-7-9 (-1.0), 5-7-2 (-1.1), 5-3-9 (-1.3).
+SCORES = mx.array([[[0.0, -0.5, -1.0], [0.0, -0.5, -1.1], [0.0, -0.7, -1.3]]])
 
 
 @pytest.mark.parametrize(
@@ -194,8 +196,8 @@ SCORES = mx.array([[[0.0, -0.5, -1.0], [0.0, -0.5, -2.0], [0.0, -0.7, -0.8]]])
         (1, [[5], [5], [5]]),
         (2, [[5, 7], [5, 7], [5]]),
         (3, [[5, 7], [5, 7], [5, 3]]),
-        (4, [[5, 7], [5, 7], [5, 3, 9]]),
-        (5, [[5, 7, 9], [5, 7], [5, 3, 9]]),
+        (4, [[5, 7, 9], [5, 7], [5, 3]]),
+        (5, [[5, 7, 9], [5, 7, 2], [5, 3]]),
         (6, [[5, 7, 9], [5, 7, 2], [5, 3, 9]]),
         (9, [[5, 7, 9], [5, 7, 2], [5, 3, 9]]),
     ],

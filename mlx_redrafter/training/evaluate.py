@@ -316,6 +316,11 @@ def measure_acceptance(
     """
     from ..session import DecodingSession, Request, request_keys
 
+    if tree.draft_nodes is not None:
+        raise ValueError(
+            f"measure acceptance with a full tree, not the dynamic {tree.label}: its cut "
+            "beams would undercount what the auto tree's trees accept (e.g. 8x7+4x10)"
+        )
     width = tree.beam_width if drafter is not None else 0
     if drafter is None:
         tree = TreeConfig(
