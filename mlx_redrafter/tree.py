@@ -76,6 +76,31 @@ def prefix_owners(beams: mx.array) -> mx.array:
     return mx.min(candidates, axis=2).astype(mx.int32)  # (B, W, L)
 
 
+class Prefixes(NamedTuple):
+    """Which (beam, depth) positions of beams (B, W, L) hold a prefix, and whose.
+
+    present: (B, W, L) the beam has a token there (it ends at its first ABSENT).
+    is_new:  (B, W*L) the prefix first appears at this position (its owner's own).
+    owner:   (B, W*L) flat (beam, depth) index of the position that owns the prefix.
+    """
+
+    present: mx.array
+    is_new: mx.array
+    owner: mx.array
+
+
+def prefixes_of(beams: mx.array, owners: mx.array) -> Prefixes:
+    """The `Prefixes` of beams (B, W, L) whose prefixes belong to `owners` (B, W, L):
+    `prefix_owners(beams)` to share them, or each beam itself to share nothing."""
+    batch_size, beam_width, beam_length = beams.shape
+    beam_index = mx.arange(beam_width, dtype=mx.int32)[None, :, None]  # (1, W, 1)
+    depth_index = mx.arange(beam_length, dtype=mx.int32)  # (L,)
+    present = mx.cumprod((beams >= 0).astype(mx.int32), axis=-1) > 0  # (B, W, L)
+    is_new = ((owners == beam_index) & present).reshape(batch_size, -1)  # (B, W*L)
+    owner = (owners * beam_length + depth_index).reshape(batch_size, -1)  # (B, W*L)
+    return Prefixes(present, is_new, owner)
+
+
 def keep_best_nodes(beams: mx.array, scores: mx.array, count: int) -> mx.array:
     """A dynamic tree: keep the `count` distinct prefixes of the beams with the highest
     scores (cumulative draft log-probabilities), as EAGLE-2 reranks its draft tree,
@@ -88,11 +113,7 @@ def keep_best_nodes(beams: mx.array, scores: mx.array, count: int) -> mx.array:
     """
     batch_size, beam_width, beam_length = beams.shape
     flat_size = beam_width * beam_length
-    beam_index = mx.arange(beam_width, dtype=mx.int32)[None, :, None]  # (1, W, 1)
-    depth_index = mx.arange(beam_length, dtype=mx.int32)  # (L,)
-    owners = prefix_owners(beams)  # (B, W, L)
-    present = mx.cumprod((beams >= 0).astype(mx.int32), axis=-1) > 0  # (B, W, L)
-    is_new = ((owners == beam_index) & present).reshape(batch_size, flat_size)  # (B, W*L)
+    present, is_new, owner_flat = prefixes_of(beams, prefix_owners(beams))
     flat_scores = scores.astype(mx.float32).reshape(batch_size, flat_size)  # (B, W*L)
     # Rank of each distinct prefix: the distinct ones above it, then those tied before it.
     this, other = flat_scores[:, :, None], flat_scores[:, None, :]  # (B, W*L, 1), (B, 1, W*L)
@@ -101,8 +122,6 @@ def keep_best_nodes(beams: mx.array, scores: mx.array, count: int) -> mx.array:
     ahead = ((other > this) | ((other == this) & earlier)) & is_new[:, None, :]
     rank = mx.sum(ahead, axis=-1)  # (B, W*L)
     kept_new = is_new & (rank < count)  # (B, W*L)
-    owner_flat = owners * beam_length + depth_index  # (B, W, L) flat index of each owner
-    owner_flat = owner_flat.reshape(batch_size, flat_size)  # (B, W*L)
     kept = mx.take_along_axis(kept_new, owner_flat, axis=-1)  # (B, W*L)
     kept = kept.reshape(batch_size, beam_width, beam_length) & present  # (B, W, L)
     kept = mx.cumprod(kept.astype(mx.int32), axis=-1) > 0  # a beam ends at its first cut
@@ -123,12 +142,10 @@ def pack_tree(beams: mx.array, num_packed: int, share_prefixes: bool = True) -> 
     depth_index = mx.arange(beam_length, dtype=mx.int32)  # (L,)
     first_owners = prefix_owners(beams)  # (B, W, L)
     owners = first_owners if share_prefixes else mx.broadcast_to(beam_index, beams.shape)
-    present = mx.cumprod((beams >= 0).astype(mx.int32), axis=-1) > 0  # (B, W, L)
-    is_new = ((owners == beam_index) & present).reshape(batch_size, flat_size)  # (B, W*L)
+    present, is_new, owner_flat = prefixes_of(beams, owners)
 
     # Packed index of every new position, and of every position's owner node.
     packed_index = mx.cumsum(is_new.astype(mx.int32), axis=-1) - 1  # (B, W*L)
-    owner_flat = (owners * beam_length + depth_index).reshape(batch_size, flat_size)
     unpack = mx.take_along_axis(packed_index, owner_flat, axis=-1)  # (B, W*L)
     unpack = unpack.reshape(batch_size, beam_width, beam_length)  # (B, W, L)
     unpack = mx.where(present, unpack, num_packed)
