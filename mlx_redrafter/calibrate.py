@@ -294,18 +294,64 @@ def _random_context(model: nn.Module, prompt: mx.array) -> TargetCache:
     return cache
 
 
-def monotone(values: Sequence[float]) -> tuple[float, ...]:
-    """The non-decreasing sequence nearest to `values` in squared error (pooling
-    adjacent violators): verifying more tokens never costs less, so where a larger N
-    timed faster than a smaller one, both were noise and share their mean."""
-    blocks: list[tuple[float, int]] = []  # (mean, count), means non-decreasing
-    for value in values:
-        mean, count = float(value), 1
-        while blocks and blocks[-1][0] > mean:
-            before, size = blocks.pop()
-            mean, count = (before * size + mean * count) / (size + count), size + count
-        blocks.append((mean, count))
-    return tuple(mean for mean, count in blocks for _ in range(count))
+def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ||design @ x - target|| over x >= 0 (Lawson and Hanson's active set).
+    design: (K, P), target: (K,) -> (P,)"""
+    size = design.shape[1]
+    x, free = np.zeros(size), np.zeros(size, dtype=bool)
+    tolerance = 1e-12 * max(1.0, float(np.abs(target).max(initial=0.0)))
+    for _ in range(10 * size + 10):
+        gradient = design.T @ (target - design @ x)  # (P,) how each bound x_j would help
+        if free.all() or np.where(free, -np.inf, gradient).max() <= tolerance:
+            break
+        free[int(np.argmax(np.where(free, -np.inf, gradient)))] = True
+        while True:  # solve on the free set; step back to the bound if a value goes <= 0
+            trial = np.zeros(size)
+            trial[free] = np.linalg.lstsq(design[:, free], target, rcond=None)[0]
+            if np.all(trial[free] > tolerance):
+                x = trial
+                break
+            crossing = free & (trial <= tolerance)
+            x = x + np.min(x[crossing] / (x[crossing] - trial[crossing])) * (trial - x)
+            free &= x > tolerance
+    return x
+
+
+def convex_fit(sizes: Sequence[int], values: Sequence[float]) -> np.ndarray:
+    """The non-decreasing convex curve nearest to `values` at `sizes` in squared error.
+
+    A verification forward's cost is flat while reading the weights dominates (an
+    Apple GPU, up to tens of tokens) and grows at a rate that never falls once
+    compute or attention does (a CPU): non-decreasing and convex in N. A single
+    timing that a busy spell slowed or a lucky one sped up breaks that shape, and
+    would make every tree of that N look dear or cheap next to its neighbours; the
+    fit pulls it back to them. The curve is a + s (N - N_1) + sum_j b_j (N - N_j)+
+    with s, b_j >= 0: a hinge at each measured N but the last.
+    (K,) sizes, (K,) values -> (K,)"""
+    x, y = np.asarray(sizes, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    hinges = np.maximum(x[:, None] - x[None, :-1], 0.0)  # (K, K-1)
+    centered = hinges - hinges.mean(axis=0)  # the free intercept a, solved for apart
+    weights = _nonnegative_least_squares(centered, y - y.mean())  # (K-1,)
+    return np.asarray(y.mean() + centered @ weights)
+
+
+def smooth_curve(sizes: Sequence[int], values: Sequence[float]) -> tuple[float, ...]:
+    """A measured verification curve with its timing noise taken out (`convex_fit`).
+
+    One exception to the convex shape is kept: a one-token forward that takes a
+    faster path than any tree (a matrix-vector kernel, no mask) measures well below
+    the curve through the larger N, by more than three times the fit's typical
+    error elsewhere (and 1 %); then N = 1 keeps its own time (at most N = 2's), and the rest
+    is fitted without it."""
+    fitted = convex_fit(sizes, values)
+    if len(values) < 4:
+        return tuple(float(v) for v in fitted)
+    residual = np.asarray(values, dtype=np.float64) - fitted  # (K,)
+    spread = float(np.sqrt(np.mean(residual[1:] ** 2)))
+    if residual[0] >= -3.0 * spread - 0.01 * float(values[0]):
+        return tuple(float(v) for v in fitted)
+    rest = convex_fit(sizes[1:], values[1:])
+    return (min(float(values[0]), float(rest[0])), *(float(v) for v in rest))
 
 
 def sweep(
@@ -418,7 +464,7 @@ def measure(
     first = _verify_curve(model, bands[0], sizes, repeats, ceiling=DEPTH + 1)
     sizes = sizes[: len(first)]  # the larger trees cannot pay here: not measured
     verify = (first, *(_verify_curve(model, band, sizes, repeats) for band in bands[1:]))
-    verify = tuple(monotone(row) for row in verify)
+    verify = tuple(smooth_curve(sizes, row) for row in verify)
     widths, first, level = (
         ((), (), ()) if drafter is None else _draft_costs(model, drafter, repeats)
     )
