@@ -79,7 +79,8 @@ class Calibration:
     """Measured step costs (seconds) on one machine.
 
     verify[t][i]: the target's forward over SIZES[i] packed tokens and the choice of
-        its tokens, after a context of contexts[t] tokens (batch of one).
+        its tokens, after a context of contexts[t] tokens (batch of one), as fitted
+        (`smooth_curves`); timed[t][i]: the fastest timing it was fitted to.
     draft_first[w], draft_level[w]: the drafter's beam search at width
         draft_widths[w]: its first drafted token, and each one after it.
     lookup: the lookup branches' search of the row's text, per step.
@@ -102,6 +103,7 @@ class Calibration:
     sample: float = 0.0  # sampling one node's token instead of its argmax
     plain_share: float = 1.0
     seconds: float = 0.0  # how long the measurement took
+    timed: tuple[tuple[float, ...], ...] = ()  # verify as timed, before `smooth_curves`
 
     def verify_seconds(self, num_packed: np.ndarray, context: int) -> np.ndarray:
         """Verification cost of N packed tokens (any shape) at context length T,
@@ -139,7 +141,8 @@ class Calibration:
     def from_dict(cls, data: dict[str, Any]) -> Calibration:
         fields = dict(data)
         fields["key"] = CalibrationKey(**fields["key"])
-        fields["verify"] = tuple(tuple(row) for row in fields["verify"])
+        for name in ("verify", "timed"):
+            fields[name] = tuple(tuple(row) for row in fields.get(name, ()))
         for name in ("sizes", "contexts", "draft_widths", "draft_first", "draft_level"):
             fields[name] = tuple(fields[name])
         return cls(**fields)
@@ -312,13 +315,17 @@ def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.nda
                 x = trial
                 break
             crossing = free & (trial <= tolerance)
-            x = x + np.min(x[crossing] / (x[crossing] - trial[crossing])) * (trial - x)
+            room = x[crossing] - trial[crossing]  # >= 0; 0 for a variable just freed at 0
+            steps = np.divide(x[crossing], room, out=np.zeros_like(room), where=room > 0)
+            x = x + np.min(steps) * (trial - x)
             free &= x > tolerance
     return x
 
 
 def convex_fit(sizes: Sequence[int], values: Sequence[float]) -> np.ndarray:
-    """The non-decreasing convex curve nearest to `values` at `sizes` in squared error.
+    """The non-decreasing convex curve nearest to `values` at `sizes`, in squared
+    relative error (each timing weighted by 1 / its value, so that the large N,
+    whose timings are the largest numbers, do not set the curve at the small N).
 
     A verification forward's cost is flat while reading the weights dominates (an
     Apple GPU, up to tens of tokens) and grows at a rate that never falls once
@@ -329,29 +336,47 @@ def convex_fit(sizes: Sequence[int], values: Sequence[float]) -> np.ndarray:
     with s, b_j >= 0: a hinge at each measured N but the last.
     (K,) sizes, (K,) values -> (K,)"""
     x, y = np.asarray(sizes, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    floor = 1e-9 * max(float(np.abs(y).max(initial=0.0)), 1e-30)
+    weight = 1.0 / np.maximum(y, floor)  # (K,)
+    share = weight**2 / np.sum(weight**2)  # (K,) each timing's share of the intercept
     hinges = np.maximum(x[:, None] - x[None, :-1], 0.0)  # (K, K-1)
-    centered = hinges - hinges.mean(axis=0)  # the free intercept a, solved for apart
-    weights = _nonnegative_least_squares(centered, y - y.mean())  # (K-1,)
-    return np.asarray(y.mean() + centered @ weights)
+    centered = hinges - share @ hinges  # the free intercept a, solved for apart
+    level = float(share @ y)
+    slopes = _nonnegative_least_squares(weight[:, None] * centered, weight * (y - level))
+    return np.asarray(level + centered @ slopes)  # (K,)
 
 
-def smooth_curve(sizes: Sequence[int], values: Sequence[float]) -> tuple[float, ...]:
-    """A measured verification curve with its timing noise taken out (`convex_fit`).
-
-    One exception to the convex shape is kept: a one-token forward that takes a
-    faster path than any tree (a matrix-vector kernel, no mask) measures well below
-    the curve through the larger N, by more than three times the fit's typical
-    error elsewhere (and 1 %); then N = 1 keeps its own time (at most N = 2's), and the rest
-    is fitted without it."""
-    fitted = convex_fit(sizes, values)
+def _fast_single_token(sizes: Sequence[int], values: Sequence[float]) -> bool:
+    """Whether the one-token forward takes a faster path than any tree (a
+    matrix-vector kernel, no mask): it times below the curve through the larger N,
+    carried on to N = 1, by more than three times that curve's typical relative
+    error and 1 %. Needs three larger N at least."""
     if len(values) < 4:
-        return tuple(float(v) for v in fitted)
-    residual = np.asarray(values, dtype=np.float64) - fitted  # (K,)
-    spread = float(np.sqrt(np.mean(residual[1:] ** 2)))
-    if residual[0] >= -3.0 * spread - 0.01 * float(values[0]):
-        return tuple(float(v) for v in fitted)
-    rest = convex_fit(sizes[1:], values[1:])
-    return (min(float(values[0]), float(rest[0])), *(float(v) for v in rest))
+        return False
+    rest = convex_fit(sizes[1:], values[1:])  # (K-1,)
+    spread = float(np.sqrt(np.mean((np.asarray(values[1:]) / rest - 1.0) ** 2)))
+    slope = (rest[1] - rest[0]) / (sizes[2] - sizes[1])
+    at_one = rest[0] - slope * (sizes[1] - sizes[0])
+    return float(values[0]) < at_one * (1.0 - 3.0 * spread - 0.01)
+
+
+def smooth_curves(
+    sizes: Sequence[int], rows: Sequence[Sequence[float]]
+) -> tuple[tuple[float, ...], ...]:
+    """Measured verification curves, one per context band, with their timing noise
+    taken out (`convex_fit`). One exception to the convex shape is kept: where the
+    first band's one-token forward runs on its own faster path
+    (`_fast_single_token`), N = 1 keeps its own time in every band (at most the
+    fitted N = 2's) and the larger N are fitted without it."""
+    alone = _fast_single_token(sizes, rows[0])
+    curves = []
+    for row in rows:
+        if alone:
+            rest = convex_fit(sizes[1:], row[1:])
+            curves.append((min(float(row[0]), float(rest[0])), *(float(v) for v in rest)))
+        else:
+            curves.append(tuple(float(v) for v in convex_fit(sizes, row)))
+    return tuple(curves)
 
 
 def sweep(
@@ -464,7 +489,7 @@ def measure(
     first = _verify_curve(model, bands[0], sizes, repeats, ceiling=DEPTH + 1)
     sizes = sizes[: len(first)]  # the larger trees cannot pay here: not measured
     verify = (first, *(_verify_curve(model, band, sizes, repeats) for band in bands[1:]))
-    verify = tuple(smooth_curve(sizes, row) for row in verify)
+    timed, verify = verify, smooth_curves(sizes, verify)
     widths, first, level = (
         ((), (), ()) if drafter is None else _draft_costs(model, drafter, repeats)
     )
@@ -482,6 +507,7 @@ def measure(
         sizes=tuple(sizes),
         contexts=tuple(bands),
         verify=verify,
+        timed=timed,
         draft_widths=widths,
         draft_first=first,
         draft_level=level,
@@ -564,13 +590,15 @@ def _read_calibration(path: Path, key: CalibrationKey) -> Calibration | None:
 
 
 def format_calibration(calibration: Calibration) -> str:
-    """A table of the cost curve: N, then per context band the step time and its
-    ratio to one token."""
-    head = "     N" + "".join(f"   T={t:<5d} ms   x1" for t in calibration.contexts)
+    """A table of the cost curve: N, then per context band the step time as fitted,
+    its ratio to one token, and the time as timed."""
+    head = "     N" + "".join(f"   T={t:<5d} ms   x1    timed" for t in calibration.contexts)
     lines = [head]
+    timed = calibration.timed or calibration.verify
     for i, size in enumerate(calibration.sizes):
         cells = "".join(
-            f"  {row[i] * 1e3:9.2f} {row[i] / row[0]:5.2f}" for row in calibration.verify
+            f"  {row[i] * 1e3:9.2f} {row[i] / row[0]:5.2f} {raw[i] * 1e3:8.2f}"
+            for row, raw in zip(calibration.verify, timed)
         )
         lines.append(f"{size:6d}{cells}")
     for width, first, level in zip(
