@@ -346,36 +346,22 @@ def convex_fit(sizes: Sequence[int], values: Sequence[float]) -> np.ndarray:
     return np.asarray(level + centered @ slopes)  # (K,)
 
 
-def _fast_single_token(sizes: Sequence[int], values: Sequence[float]) -> bool:
-    """Whether the one-token forward takes a faster path than any tree (a
-    matrix-vector kernel, no mask): it times below the curve through the larger N,
-    carried on to N = 1, by more than three times that curve's typical relative
-    error and 1 %. Needs three larger N at least."""
-    if len(values) < 4:
-        return False
-    rest = convex_fit(sizes[1:], values[1:])  # (K-1,)
-    spread = float(np.sqrt(np.mean((np.asarray(values[1:]) / rest - 1.0) ** 2)))
-    slope = (rest[1] - rest[0]) / (sizes[2] - sizes[1])
-    at_one = rest[0] - slope * (sizes[1] - sizes[0])
-    return float(values[0]) < at_one * (1.0 - 3.0 * spread - 0.01)
-
-
 def smooth_curves(
     sizes: Sequence[int], rows: Sequence[Sequence[float]]
 ) -> tuple[tuple[float, ...], ...]:
     """Measured verification curves, one per context band, with their timing noise
-    taken out (`convex_fit`). One exception to the convex shape is kept: where the
-    first band's one-token forward runs on its own faster path
-    (`_fast_single_token`), N = 1 keeps its own time in every band (at most the
-    fitted N = 2's) and the larger N are fitted without it."""
-    alone = _fast_single_token(sizes, rows[0])
+    taken out: the larger N fitted (`convex_fit`), N = 1 as timed (at most the
+    fitted N = 2's). The one-token forward stays apart because it is what plain
+    decoding runs, whose pipelined share (`plain_share`) and unpipelined cost
+    (`AutoTree.switch_seconds`) are measured against it, and because it may take a
+    faster path than any tree (a matrix-vector kernel, no mask)."""
     curves = []
     for row in rows:
-        if alone:
-            rest = convex_fit(sizes[1:], row[1:])
-            curves.append((min(float(row[0]), float(rest[0])), *(float(v) for v in rest)))
-        else:
+        if len(row) < 3:
             curves.append(tuple(float(v) for v in convex_fit(sizes, row)))
+            continue
+        rest = convex_fit(sizes[1:], row[1:])  # (K-1,)
+        curves.append((min(float(row[0]), float(rest[0])), *(float(v) for v in rest)))
     return tuple(curves)
 
 
