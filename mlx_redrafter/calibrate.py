@@ -357,10 +357,7 @@ def smooth_curves(
     faster path than any tree (a matrix-vector kernel, no mask)."""
     curves = []
     for row in rows:
-        if len(row) < 3:
-            curves.append(tuple(float(v) for v in convex_fit(sizes, row)))
-            continue
-        rest = convex_fit(sizes[1:], row[1:])  # (K-1,)
+        rest = convex_fit(sizes[1:], row[1:])  # (K-1,) `sweep` measures two N at least
         curves.append((min(float(row[0]), float(rest[0])), *(float(v) for v in rest)))
     return tuple(curves)
 
