@@ -336,6 +336,19 @@ def prior_cubes(
 # -- the choice ------------------------------------------------------------------------
 
 
+def candidates_and_priors(
+    drafter: Drafter | None,
+) -> tuple[Candidates, AcceptanceTable, AcceptanceTable | None]:
+    """The auto tree's candidates with `drafter` (None: lookup trees and plain
+    decoding), and the greedy and sampled priors of their acceptance: the drafter's
+    own tables (a generic prior for one without), or the built-in lookup priors."""
+    width = min(8, drafter.config.output_size) if drafter is not None else 0
+    candidates = candidate_trees(drafter is not None, max_width=width)
+    if drafter is None:
+        return candidates, LOOKUP_PRIOR, LOOKUP_SAMPLED
+    return candidates, drafter.acceptance or DRAFTER_PRIOR, drafter.sampled_acceptance
+
+
 class CheckSchedule:
     """When to run a check that costs the device a little (a hindsight search, a
     drafter probe): after `first` steps that do not verify what it checks, then
@@ -451,12 +464,7 @@ class AutoTree:
         beyond the calibration are those of earlier sessions of this model and
         drafter in this process (`shared_measured_costs`)."""
         calibration, _ = cached_calibration(model, drafter, announce=is_main_process())
-        width = min(8, drafter.config.output_size) if drafter is not None else 0
-        candidates = candidate_trees(drafter is not None, max_width=width)
-        prior: AcceptanceTable = LOOKUP_PRIOR
-        sampled: AcceptanceTable | None = LOOKUP_SAMPLED
-        if drafter is not None:
-            prior, sampled = drafter.acceptance or DRAFTER_PRIOR, drafter.sampled_acceptance
+        candidates, prior, sampled = candidates_and_priors(drafter)
         return cls(
             calibration,
             candidates,
@@ -618,10 +626,13 @@ class AutoTree:
     def probe(self, tree: TreeConfig) -> TreeConfig | None:
         """The drafter tree (W, L) to probe on a step of `tree` (`probes.py`), on the
         steps `CheckSchedule` picks among those without drafter beams, and only where
-        some drafter tree could beat plain decoding with the prior's acceptance (at
-        the steps' temperature) on this machine's cost curve (so never where
-        verification cannot pay, as with 4-bit weights on a CPU, nor where sampling
-        leaves the drafter too little to guess). None on the other steps.
+        some drafter tree could beat plain decoding on this machine's cost curve (at
+        the steps' temperature) with the greedy prior's acceptance (so never where
+        verification cannot pay, as with 4-bit weights on a CPU). None on the other
+        steps. The greedy prior bounds a sampled step's acceptance from above (a
+        sample is the drafted token less often than the argmax is); gating sampled
+        steps by their own prior instead would keep the estimate from ever learning
+        that the drafter guesses more samples than that prior says.
 
         Sampled steps are probed too: the walk accepts a drafted token exactly when
         the target's sample at its parent is that token, and the tokens decoded since
@@ -634,10 +645,10 @@ class AutoTree:
         due = self._probe_due.due(tree.beam_width > 0 and tree.beam_length > 1)
         if not (due or self._beams_untrusted(temperature)):
             return None
-        _, prior = self.prior(temperature)  # (C,) expected tokens by the prior
+        _, bound = self.prior(0.0)  # (C,) expected tokens by the greedy prior
         # On the cost curve alone: a tree overhead learned in a short stint must not
         # keep the drafter from ever being probed again.
-        speeds = batch_size * prior / self.calibrated(batch_size, context, temperature)
+        speeds = batch_size * bound / self.calibrated(batch_size, context, temperature)
         drafted = self.candidates.width > 0
         return self._probe if speeds[drafted].max(initial=0.0) > speeds[0] else None
 

@@ -116,6 +116,26 @@ def read_prompts(
     return records
 
 
+def select_prompts(
+    records: list[PromptRecord], per_category: int | None = None, limit: int | None = None
+) -> list[PromptRecord]:
+    """The first `per_category` records of each category (`source`), then the first
+    `limit` of those (None: all)."""
+    if per_category is not None and per_category < 1:
+        raise ValueError("--per-category must be >= 1")
+    if limit is not None and limit < 1:
+        raise ValueError("--limit must be >= 1")
+    if per_category:
+        seen: dict[str, int] = {}
+        kept = []
+        for record in records:
+            seen[record.source] = seen.get(record.source, 0) + 1
+            if seen[record.source] <= per_category:
+                kept.append(record)
+        records = kept
+    return records[:limit]
+
+
 def read_turns(path: str | os.PathLike[str]) -> list[list[str]]:
     """The user turns of each MT-Bench-style record (`{"turns": [...]}`), in order."""
     file = Path(path)

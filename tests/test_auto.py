@@ -352,6 +352,32 @@ def test_probes_are_scheduled_and_never_drafted_where_verification_cannot_pay():
     assert auto_tree(synthetic(lambda n: 0.010), LOOKUP_PRIOR, False).probe(PLAIN_DECODING) is None
 
 
+def test_sampled_steps_whose_prior_says_plain_still_probe_and_learn_the_drafter():
+    """Sampled steps are probed wherever the greedy prior (a sample is the drafted
+    token less often than the argmax is) says a drafter tree could pay, not only
+    where their own prior does: a weak table measured sampling starts them plain,
+    and probes that show the drafter guessing well bring a drafter tree in. Where
+    even the greedy prior cannot pay (verification linear in N), no probes."""
+    weak = replace(weakened(GOOD_DRAFTER, 0.3), temperature=1.0)
+    curve = synthetic(lambda n: 0.010 * (1 + 0.1 * (n - 1)))
+    for guessed, drafts in ((3, True), (0, False)):
+        auto = AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, weak)
+        trees = []
+        for _ in range(40):  # two rows
+            tree = auto.choose(2, temperature=1.0)
+            trees.append(tree)
+            seconds = float(auto.calibrated(2, 0, 1.0)[auto._index[tree]])
+            auto.record(tree, 2, seconds, np.zeros((2, tree.num_branches), dtype=int), 0)
+            probe = auto.probe(tree)
+            if probe is not None:
+                auto.record_probe(np.full((2, probe.beam_width), guessed), probe)
+        assert trees[0] == PLAIN_DECODING
+        assert any(t.beam_width and t.beam_length > 1 for t in trees[-8:]) == drafts
+    linear = AutoTree(synthetic(lambda n: 0.010 * n), candidate_trees(True), GOOD_DRAFTER, weak)
+    linear.choose(1, temperature=1.0)
+    assert all(linear.probe(PLAIN_DECODING) is None for _ in range(100))
+
+
 def test_sampled_steps_trust_a_greedy_drafter_table_only_after_seeing_its_beams():
     """A drafter without a table measured sampling: its sampled steps decode without
     drafter beams until probes have shown them the beams in `strength` row-steps
@@ -384,8 +410,6 @@ def test_sampled_steps_start_from_the_table_measured_at_their_temperature():
     auto = AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, weak)
     assert auto.choose(1) != PLAIN_DECODING
     assert auto.choose(2, temperature=1.0) == PLAIN_DECODING  # the weak table's view
-    # ... where no drafter tree can pay, so no probe is drafted either.
-    assert all(auto.probe(PLAIN_DECODING) is None for _ in range(40))
     greedy, sampled = (prior_cube(t, 8, 4, DEPTH) for t in (GOOD_DRAFTER, weak))
     with pytest.raises(ValueError, match="measured sampling"):
         AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, GOOD_DRAFTER)  # a greedy table

@@ -14,6 +14,7 @@ from . import (
     kernels,
     make_drafter,
     ngrams,
+    replay,
     serve,
     train,
 )
@@ -27,6 +28,7 @@ COMMANDS = [
     acceptance,
     calibrate,
     bench,
+    replay,
     kernels,
     chat,
     serve,

@@ -19,8 +19,8 @@ from ..bench import (
 from ..config import DEFAULT_TREE, SamplingConfig
 from ..distributed import SHARD_MODES, is_main_process
 from ..files import write_json
-from ..prompts import MT_BENCH, encode_prompt, read_prompts
-from .common import load_from_args, parse_trees
+from ..prompts import encode_prompt, read_prompts, select_prompts
+from .common import add_benchmark_inputs, load_from_args, parse_trees
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -45,25 +45,7 @@ def register(commands: Any) -> None:
         epilog="example: mlx-redrafter bench --limit 64 --max-tokens 256 --tree 4x4,2x5 "
         "--out runs/bench",
     )
-    bench.add_argument("--model", help="MLX model folder or Hub id (default: embedded)")
-    bench.add_argument("--drafter", help="drafter folder or Hub id (default: shipped)")
-    bench.add_argument(
-        "--no-drafter",
-        action="store_true",
-        help="no drafter: mlx-lm, plain, and lookup-only or auto trees",
-    )
-    bench.add_argument(
-        "--prompts",
-        default=str(MT_BENCH),
-        help="JSONL of MT-Bench questions or {'prompt': ...} rows (default: MT-Bench first turns)",
-    )
-    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    bench.add_argument(
-        "--per-category",
-        type=int,
-        default=None,
-        help="use the first N prompts of each category (MT-Bench: 8 categories of 10 prompts)",
-    )
+    add_benchmark_inputs(bench, "no drafter: mlx-lm, plain, and lookup-only or auto trees")
     bench.add_argument("--max-tokens", type=int, default=256)
     bench.add_argument(
         "--tree",
@@ -161,8 +143,6 @@ def run_second_turns(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.second_turns is not None:
         return run_second_turns(args)
-    if args.limit is not None and args.limit < 1:
-        raise ValueError("--limit must be >= 1")
     config = BenchConfig(
         max_tokens=args.max_tokens,
         trees=args.tree,
@@ -174,18 +154,7 @@ def run(args: argparse.Namespace) -> int:
         batch_sizes=args.batch_sizes,
         ignore_eos=args.ignore_eos,
     )
-    if args.per_category is not None and args.per_category < 1:
-        raise ValueError("--per-category must be >= 1")
-    records = read_prompts(args.prompts)
-    if args.per_category:
-        seen: dict[str, int] = {}
-        kept = []
-        for record in records:
-            seen[record.source] = seen.get(record.source, 0) + 1
-            if seen[record.source] <= args.per_category:
-                kept.append(record)
-        records = kept
-    records = records[: args.limit]
+    records = select_prompts(read_prompts(args.prompts), args.per_category, args.limit)
     model, drafter, tokenizer = load_from_args(args)
     prompts = [encode_prompt(tokenizer, record.messages) for record in records]
     categories = [record.source for record in records]

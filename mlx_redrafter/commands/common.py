@@ -14,6 +14,7 @@ from ..decode import plan_step
 from ..distributed import is_main_process
 from ..drafter import Drafter
 from ..loading import NoShippedDrafterWarning, load
+from ..prompts import MT_BENCH
 
 
 def load_from_args(args: argparse.Namespace) -> tuple[nn.Module, Drafter | None, Any]:
@@ -27,6 +28,26 @@ def load_from_args(args: argparse.Namespace) -> tuple[nn.Module, Drafter | None,
     for note in caught if is_main_process() else []:
         print(f"note: {note.message}", file=sys.stderr)
     return model, None if no_drafter else drafter, tokenizer
+
+
+def add_benchmark_inputs(parser: argparse.ArgumentParser, no_drafter_help: str) -> None:
+    """--model, --drafter, --no-drafter and the prompt selection (--prompts, --limit,
+    --per-category: `prompts.select_prompts`) of `bench` and `replay`."""
+    parser.add_argument("--model", help="MLX model folder or Hub id (default: embedded)")
+    parser.add_argument("--drafter", help="drafter folder or Hub id (default: shipped)")
+    parser.add_argument("--no-drafter", action="store_true", help=no_drafter_help)
+    parser.add_argument(
+        "--prompts",
+        default=str(MT_BENCH),
+        help="JSONL of MT-Bench questions or {'prompt': ...} rows (default: MT-Bench first turns)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument(
+        "--per-category",
+        type=int,
+        default=None,
+        help="use the first N prompts of each category (MT-Bench: 8 categories of 10 prompts)",
+    )
 
 
 def parse_trees(text: str, option: str = "--tree") -> tuple[TreeConfig | str, ...]:
