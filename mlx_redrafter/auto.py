@@ -315,6 +315,12 @@ def step_seconds(
     return verify + draft + lookup + sample
 
 
+def context_band(context: int) -> int:
+    """The context length a step at `context` tokens is priced at: the power of two
+    at or above it, at least 64 (so that the costs of a band are computed once)."""
+    return max(64, 1 << max(context - 1, 1).bit_length())
+
+
 def prior_cubes(
     prior: AcceptanceTable, sampled_prior: AcceptanceTable | None, kinds: tuple[int, int]
 ) -> tuple[tuple[np.ndarray, np.ndarray], float, bool]:
@@ -505,7 +511,7 @@ class AutoTree:
     def calibrated(self, batch_size: int, context: int, temperature: float = 0.0) -> np.ndarray:
         """(C,) step seconds of every candidate as the calibration predicts them
         (`temperature` > 0: some row samples)."""
-        band = max(64, 1 << max(context - 1, 1).bit_length())  # powers of two
+        band = context_band(context)
         sampled = temperature > 0
         key = (batch_size, band, sampled)
         if key not in self._costs:
@@ -629,10 +635,11 @@ class AutoTree:
         some drafter tree could beat plain decoding on this machine's cost curve (at
         the steps' temperature) with the greedy prior's acceptance (so never where
         verification cannot pay, as with 4-bit weights on a CPU). None on the other
-        steps. The greedy prior bounds a sampled step's acceptance from above (a
-        sample is the drafted token less often than the argmax is); gating sampled
-        steps by their own prior instead would keep the estimate from ever learning
-        that the drafter guesses more samples than that prior says.
+        steps. The greedy prior is an optimistic bound for sampled steps in practice
+        (the shipped drafter's `1x2` accepts its drafted token in 41 % of greedy
+        steps, 24 % of sampled ones); gating sampled steps by their own prior
+        instead would keep the estimate from ever learning that the drafter
+        guesses more samples than that prior says.
 
         Sampled steps are probed too: the walk accepts a drafted token exactly when
         the target's sample at its parent is that token, and the tokens decoded since

@@ -122,9 +122,9 @@ def select_prompts(
     """The first `per_category` records of each category (`source`), then the first
     `limit` of those (None: all)."""
     if per_category is not None and per_category < 1:
-        raise ValueError("--per-category must be >= 1")
+        raise ValueError("per_category (--per-category) must be >= 1")
     if limit is not None and limit < 1:
-        raise ValueError("--limit must be >= 1")
+        raise ValueError("limit (--limit) must be >= 1")
     if per_category:
         seen: dict[str, int] = {}
         kept = []

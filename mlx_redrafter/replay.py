@@ -28,14 +28,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .auto import AutoTree, Candidates, MeasuredCosts, candidates_and_priors, step_seconds
+from .auto import (
+    AutoTree,
+    Candidates,
+    MeasuredCosts,
+    candidates_and_priors,
+    context_band,
+    step_seconds,
+)
 from .calibrate import Calibration
 from .config import PLAIN_DECODING, CacheConfig, TreeConfig
 from .decode import step_functions
 from .drafter import Drafter
 from .lookup import lookup_branches
 from .ngrams import table_branches
-from .target import TargetCache, target_hidden
+from .target import TargetCache, prepare_target, target_hidden
 from .tree import ABSENT, chain_tree
 
 NO_TOKEN = -2  # past the reply: equal to no drafted token, ABSENT included
@@ -44,10 +51,13 @@ NO_TOKEN = -2  # past the reply: equal to no drafted token, ABSENT included
 @dataclass(frozen=True)
 class RecordShape:
     """The candidates recorded at each position: a W-beam search of L tokens for each
-    W in `widths`, and G lookup branches of Ll tokens (the auto tree's largest)."""
+    W in `widths` and L in `lengths` (a beam of a shorter search is not a prefix of
+    a longer one's: beam search keeps the best W at every depth), and G lookup
+    branches of Ll tokens with the drafter's n-gram table (the auto tree's largest;
+    a shorter branch is a prefix of its longer self)."""
 
     widths: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
-    beam_length: int = 7
+    lengths: tuple[int, ...] = (2, 3, 4, 5, 6, 7)
     branches: int = 4
     branch_length: int = 10
     ngram: int = 3  # the n-gram the lookup matches (`TreeConfig.lookup_ngram`)
@@ -55,10 +65,11 @@ class RecordShape:
     def check(self, tree: TreeConfig) -> None:
         """A ValueError naming what a tree needs beyond what was recorded."""
         width = tree.beam_width if tree.beam_length > 1 else 0
-        if width and (width not in self.widths or tree.beam_length > self.beam_length):
+        if width and (width not in self.widths or tree.beam_length not in self.lengths):
             raise ValueError(
                 f"{tree.label}: recorded beams are {','.join(map(str, self.widths))} wide "
-                f"and {self.beam_length} long; record with a shape that covers it"
+                f"and {','.join(map(str, self.lengths))} long; record with a shape that "
+                "covers it"
             )
         branches, length = tree.lookup_branches, tree.lookup_branch_length
         if branches and (branches > self.branches or length > self.branch_length):
@@ -66,6 +77,8 @@ class RecordShape:
                 f"{tree.label}: recorded lookup branches are {self.branches} of "
                 f"{self.branch_length} tokens; record with a shape that covers it"
             )
+        if branches and not tree.lookup_table:
+            raise ValueError(f"{tree.label}: lookup is recorded with the n-gram table, not :text")
         if tree.draft_nodes is not None or tree.lookup_ngram != self.ngram:
             raise ValueError(
                 f"{tree.label}: replay takes fixed W x L trees of the "
@@ -76,15 +89,17 @@ class RecordShape:
 @dataclass(frozen=True)
 class Recording:
     """One reply's runs at each of its M positions (position i roots the step that
-    emits reply token i onwards): beam_runs[W] (M, W), the drafted tokens each beam
-    of a W-beam search would have had accepted; branch_runs (M, G), the same for
+    emits reply token i onwards), for the candidates of `shape`: beam_runs[W, L]
+    (M, W), the drafted tokens each beam of a W-beam search of L tokens would have
+    had accepted (none without a drafter); branch_runs (M, G), the same for
     the lookup branches that found a match in the text or the n-gram table, and
     fell (M, G) where a branch found neither (a step then drafts its fallback: the
     best beam, or without beams the root repeated, whose runs are root_runs (M,))."""
 
+    shape: RecordShape
     prompt_tokens: int
     reply_tokens: int
-    beam_runs: dict[int, np.ndarray]
+    beam_runs: dict[tuple[int, int], np.ndarray]
     branch_runs: np.ndarray
     fell: np.ndarray
     root_runs: np.ndarray
@@ -104,15 +119,18 @@ def _beam_runs(
     root_tokens: mx.array,
     following: np.ndarray,
     shape: RecordShape,
-) -> dict[int, np.ndarray]:
-    """W -> (M, W) the runs of a W-beam search at each root, for W in the shape's
-    widths: states (M, D) each root's hidden state, root_tokens (M,), following
-    (M, L - 1) the tokens after each root."""
+) -> dict[tuple[int, int], np.ndarray]:
+    """(W, L) -> (M, W) the runs of a W-beam search of L tokens at each root, for the
+    shape's widths (up to the drafter's output size) and lengths: states (M, D) each
+    root's hidden state, root_tokens (M,), following (M, Ll - 1) the tokens after
+    each root."""
     runs = {}
-    for width in shape.widths:
-        draft = step_functions(model, drafter, TreeConfig(width, shape.beam_length)).draft
-        beams = np.array(draft(states, root_tokens, None))  # (M, W, L)
-        runs[width] = _runs(beams, following)
+    for width in (w for w in shape.widths if w <= drafter.config.output_size):
+        for length in shape.lengths:
+            tree = TreeConfig(width, length)
+            draft = step_functions(model, drafter, tree, compiled=False).draft
+            beams = np.array(draft(states, root_tokens, None))  # (M, W, L)
+            runs[width, length] = _runs(beams, following[:, : length - 1])
     return runs
 
 
@@ -149,6 +167,7 @@ def record(
     search per width, one batched lookup search)."""
     if not prompt:
         raise ValueError("record needs a prompt of at least one token")
+    prepare_target(model)
     sequence = list(prompt) + list(reply)
     roots = np.arange(len(prompt) - 1, len(sequence) - 1)  # (M,) the last prompt token on
     padded = np.array(sequence + [NO_TOKEN] * shape.branch_length)  # (S + Ll,)
@@ -162,9 +181,7 @@ def record(
         before = mx.array(np.maximum(roots - 1, 0))  # (M,)
         states = mx.where(mx.array(roots >= 1)[:, None], hidden[before], 0.0)  # (M, D)
         root_tokens = mx.array(padded[roots].astype(np.int32))  # (M,)
-        beam_runs = _beam_runs(
-            model, drafter, states, root_tokens, following[:, : shape.beam_length - 1], shape
-        )
+        beam_runs = _beam_runs(model, drafter, states, root_tokens, following, shape)
     branches = (
         _branches(drafter, padded, roots, shape)
         if len(roots)
@@ -172,6 +189,7 @@ def record(
     )
     repeated = np.repeat(padded[roots][:, None, None], shape.branch_length, axis=2)  # (M, 1, Ll)
     return Recording(
+        shape,
         len(prompt),
         len(roots),
         beam_runs,
@@ -196,8 +214,8 @@ def tree_runs(recording: Recording, tree: TreeConfig, position: int) -> np.ndarr
     """(1, W + G) the runs of `tree`'s candidates at `position`, the drafter's beams
     first, each within its candidate's length and the reply's end."""
     width = tree.beam_width if tree.beam_length > 1 else 0
-    beams = recording.beam_runs[width][position] if width else np.zeros(0, np.int64)
-    beams = np.minimum(beams, tree.beam_length - 1)  # (W,)
+    beams = recording.beam_runs[width, tree.beam_length][position] if width else np.zeros(0)
+    beams = beams.astype(np.int64)  # (W,)
     fallback = beams[0] if width else recording.root_runs[position]
     branches = branch_runs(
         recording, position, tree.lookup_branches, tree.lookup_branch_length, fallback
@@ -208,15 +226,19 @@ def tree_runs(recording: Recording, tree: TreeConfig, position: int) -> np.ndarr
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's seconds as the auto tree prices it (`auto.step_seconds` on this
-    calibration, one row), plus `tree_overhead` seconds for a step that verifies a
-    tree (the host's work the calibration does not time)."""
+    """A step's seconds as the auto tree prices it before it has measured anything
+    (`auto.step_seconds` on this calibration, one row, at the context's band),
+    plus `tree_overhead` seconds for a step that verifies a tree (the host's work
+    the calibration does not time)."""
 
     calibration: Calibration
     tree_overhead: float = 0.0
-    _cache: dict[tuple[TreeConfig, int], float] = field(default_factory=dict, compare=False)
+    _cache: dict[tuple[TreeConfig, int], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def seconds(self, tree: TreeConfig, context: int) -> float:
+        context = context_band(context)
         key = (tree, context)
         if key not in self._cache:
             candidates = Candidates.of([tree])
@@ -257,6 +279,8 @@ class _Checks:
         self.probe: tuple[int, TreeConfig] | None = None
 
     def before(self, tree: TreeConfig, position: int) -> None:
+        """Before a step of `tree` at `position`: the hindsight check and the probe
+        the auto tree asks for."""
         if not tree.lookup_branches:
             self.unchecked.append(position)
         lookup = self.auto.hindsight(tree)
@@ -274,11 +298,13 @@ class _Checks:
             self.probe = None if probe is None else (position, probe)
 
     def after(self, position: int) -> None:
+        """After a step, the reply decoded up to `position`: report the probe whose
+        beams' tokens have all come."""
         if self.probe is None or position < self.probe[0] + self.probe[1].beam_length - 1:
             return
         start, probe = self.probe
-        runs = self.recording.beam_runs[probe.beam_width][start]  # (W,)
-        self.auto.record_probe(np.minimum(runs, probe.beam_length - 1)[None, :], probe)
+        runs = self.recording.beam_runs[probe.beam_width, probe.beam_length][start]  # (W,)
+        self.auto.record_probe(runs[None, :], probe)
         self.probe = None
 
 
@@ -286,12 +312,14 @@ def replay(
     recording: Recording,
     choice: TreeConfig | AutoTree,
     cost: StepCost,
-    shape: RecordShape = RecordShape(),
     into: Replayed | None = None,
 ) -> Replayed:
     """Decode the recorded reply again with a fixed tree or the auto tree's choice:
-    each step's tokens from the recorded runs, its seconds from `cost`. Adds to
-    `into` (a fresh `Replayed` when None) and returns it."""
+    each step's tokens from the recorded runs, its seconds from `cost` (no cost for
+    a switch between plain and tree steps, for probes or for hindsight checks).
+    A recording without a drafter replays a tree's lookup branches alone, as a
+    session without a drafter decodes it. Adds to `into` (a fresh `Replayed` when
+    None) and returns it."""
     result = into if into is not None else Replayed()
     auto = choice if isinstance(choice, AutoTree) else None
     checks = _Checks(auto, recording) if auto is not None else None
@@ -300,7 +328,9 @@ def replay(
         context = recording.prompt_tokens + position
         tree = auto.choose(1, context) if auto is not None else choice
         assert isinstance(tree, TreeConfig)
-        shape.check(tree)
+        if not recording.beam_runs:
+            tree = tree.lookup_only
+        recording.shape.check(tree)
         if checks is not None:
             checks.before(tree, position)
         runs = tree_runs(recording, tree, position)  # (1, W + G)
@@ -330,7 +360,6 @@ def replay_trees(
     trees: Sequence[TreeConfig | str],
     cost: StepCost,
     drafter: Drafter | None,
-    shape: RecordShape = RecordShape(),
 ) -> dict[str, Replayed]:
     """Each tree ("auto": a new auto tree per recording, as per request) and plain
     decoding replayed over every recording, by tree label."""
@@ -342,7 +371,7 @@ def replay_trees(
         for recording in recordings:
             choice = new_auto() if new_auto is not None else tree
             assert isinstance(choice, (TreeConfig, AutoTree))
-            replay(recording, choice, cost, shape, into=results[label])
+            replay(recording, choice, cost, into=results[label])
     return results
 
 

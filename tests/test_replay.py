@@ -33,9 +33,9 @@ TREES = (
 def test_a_replayed_tree_takes_the_steps_a_session_takes(trained_llama, tree):
     """Greedy decoding is the same tokens whatever the tree: replayed over the
     recorded runs, a tree accepts at each step what the session's step accepted.
-    Lookup branches are exact; drafter beams come from hidden states of one forward
-    over the whole text, equal to the session's up to float rounding, so a near tie
-    in the drafter's scores may rank two beams the other way now and then."""
+    (Drafter beams come from hidden states of one forward over the whole text,
+    equal to the session's up to float rounding: a near tie in the drafter's
+    scores could rank two beams the other way; none does here.)"""
     model, drafter, prompts = trained_llama
     agree = steps = 0
     for prompt in prompts[:6]:
@@ -46,9 +46,7 @@ def test_a_replayed_tree_takes_the_steps_a_session_takes(trained_llama, tree):
         assert replayed.tokens == 24 and abs(replayed.steps - len(session)) <= 1
         pairs = list(zip(replayed.accepted[:-1], session[:-1]))  # the last stops at 24
         agree, steps = agree + sum(a == b for a, b in pairs), steps + len(pairs)
-        if not tree.beam_width:
-            assert replayed.accepted[:-1] == session[:-1]
-    assert agree >= 0.95 * steps
+    assert agree == steps
 
 
 def test_the_auto_tree_replays_the_same_way_twice_and_prices_the_text(trained_llama):
@@ -72,11 +70,21 @@ def test_the_auto_tree_replays_the_same_way_twice_and_prices_the_text(trained_ll
 
 
 def test_a_tree_beyond_the_recorded_shape_is_refused(trained_llama):
+    """What a recording cannot replay is an error naming it; a recording without a
+    drafter replays a tree's lookup branches alone, as a session decodes them."""
     model, drafter, prompts = trained_llama
     outputs, _ = decode_tokens(model, None, [prompts[0]], PLAIN_DECODING, max_tokens=8)
-    recording = record(model, drafter, prompts[0], outputs[0], RecordShape(widths=(1, 2)))
-    with pytest.raises(ValueError, match="recorded beams are 1,2 wide"):
-        replay(recording, TreeConfig(4, 3), StepCost(curve(0.1)), RecordShape(widths=(1, 2)))
+    narrow = RecordShape(widths=(1, 2), lengths=(2, 3))
+    recording = record(model, drafter, prompts[0], outputs[0], narrow)
+    with pytest.raises(ValueError, match="recorded beams are 1,2 wide and 2,3 long"):
+        replay(recording, TreeConfig(4, 3), StepCost(curve(0.1)))
+    text = TreeConfig.parse("1x2+1x4:text")
+    with pytest.raises(ValueError, match="recorded with the n-gram table, not :text"):
+        replay(recording, text, StepCost(curve(0.1)))
+    alone = record(model, None, prompts[0], outputs[0])
+    both = TreeConfig(2, 3, lookup_branches=1, lookup_length=4)
+    replayed = replay(alone, both, StepCost(curve(0.1)))
+    assert set(replayed.trees) == {both.lookup_only.label}
 
 
 def test_replay_trees_compares_each_tree_with_plain_decoding_on_the_same_replies(trained_llama):
@@ -103,5 +111,5 @@ def test_prompts_are_selected_per_category_then_limited():
     ]
     assert [r.id for r in select_prompts(records, per_category=2)] == ["0", "1", "2", "3"]
     assert [r.id for r in select_prompts(records, per_category=2, limit=3)] == ["0", "1", "2"]
-    with pytest.raises(ValueError, match="--per-category must be >= 1"):
+    with pytest.raises(ValueError, match=r"\(--per-category\) must be >= 1"):
         select_prompts(records, per_category=0)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
+from ..bench import environment
 from ..calibrate import cached_calibration
+from ..files import write_json
 from ..prompts import encode_prompt, read_prompts, select_prompts
 from ..replay import RecordShape, StepCost, record_replies, replay_trees
 from .common import add_benchmark_inputs, load_from_args, parse_trees
@@ -40,6 +43,7 @@ def register(commands: Any) -> None:
         default=0.0,
         help="milliseconds a tree step costs beyond the calibrated curve (default 0)",
     )
+    replay.add_argument("--out", default=None, help="also write replay.json in this folder")
     replay.set_defaults(run=run)
 
 
@@ -65,15 +69,35 @@ def run(args: argparse.Namespace) -> int:
     )
     print(file=sys.stderr)
     cost = StepCost(calibration, args.tree_overhead_ms / 1000.0)
-    results = replay_trees(recordings, args.tree, cost, drafter, shape)
+    results = replay_trees(recordings, args.tree, cost, drafter)
     plain = results["1x1"].tokens_per_second
     print(
         f"{len(prompts)} prompts x {args.max_tokens} tokens, {calibration.key.device}, "
         f"tree overhead {args.tree_overhead_ms:g} ms"
     )
     print(f"{'tree':<14} {'tau':>6} {'speed-up':>9} {'steps':>7}  most used")
+    rows = {}
     for label, result in results.items():
         used = ", ".join(f"{t} {n}" for t, n in result.trees.most_common(4))
         speedup = result.tokens_per_second / plain if plain else 0.0
         print(f"{label:<14} {result.tau:>6.2f} {speedup:>8.2f}x {result.steps:>7}  {used}")
+        rows[label] = {
+            "tau": result.tau,
+            "speedup": speedup,
+            "steps": result.steps,
+            "tokens": result.tokens,
+            "trees_used": dict(result.trees),
+        }
+    if args.out:
+        summary = {
+            "environment": environment(),
+            "calibration": calibration.to_dict(),
+            "prompts": len(prompts),
+            "max_tokens": args.max_tokens,
+            "tree_overhead_ms": args.tree_overhead_ms,
+            "results": rows,
+        }
+        path = Path(args.out) / "replay.json"
+        write_json(path, summary)
+        print(f"wrote {path}")
     return 0
