@@ -42,6 +42,7 @@ from .decode import step_functions
 from .drafter import Drafter
 from .lookup import lookup_branches
 from .ngrams import table_branches
+from .probes import beam_runs
 from .target import TargetCache, prepare_target, target_hidden
 from .tree import ABSENT, chain_tree
 
@@ -105,14 +106,7 @@ class Recording:
     root_runs: np.ndarray
 
 
-def _runs(drafted: np.ndarray, following: np.ndarray) -> np.ndarray:
-    """(M, K, L) drafted candidates (column 0 the root), (M, L - 1) the tokens that
-    followed (NO_TOKEN past the reply) -> (M, K) tokens guessed before the first miss."""
-    match = drafted[:, :, 1:] == following[:, None, :]  # (M, K, L-1)
-    return np.cumprod(match, axis=-1).sum(axis=-1).astype(np.int64)
-
-
-def _beam_runs(
+def _searched_runs(
     model: nn.Module,
     drafter: Drafter,
     states: mx.array,
@@ -130,7 +124,7 @@ def _beam_runs(
             tree = TreeConfig(width, length)
             draft = step_functions(model, drafter, tree, compiled=False).draft
             beams = np.array(draft(states, root_tokens, None))  # (M, W, L)
-            runs[width, length] = _runs(beams, following[:, : length - 1])
+            runs[width, length] = beam_runs(beams, following[:, : length - 1])
     return runs
 
 
@@ -172,7 +166,7 @@ def record(
     roots = np.arange(len(prompt) - 1, len(sequence) - 1)  # (M,) the last prompt token on
     padded = np.array(sequence + [NO_TOKEN] * shape.branch_length)  # (S + Ll,)
     following = padded[roots[:, None] + 1 + np.arange(shape.branch_length - 1)]  # (M, Ll-1)
-    beam_runs = {}
+    by_search: dict[tuple[int, int], np.ndarray] = {}
     if drafter is not None and len(roots):
         cache = TargetCache(model, 1, CacheConfig())
         tokens = mx.array([sequence], dtype=mx.int32)  # (1, S)
@@ -181,7 +175,7 @@ def record(
         before = mx.array(np.maximum(roots - 1, 0))  # (M,)
         states = mx.where(mx.array(roots >= 1)[:, None], hidden[before], 0.0)  # (M, D)
         root_tokens = mx.array(padded[roots].astype(np.int32))  # (M,)
-        beam_runs = _beam_runs(model, drafter, states, root_tokens, following, shape)
+        by_search = _searched_runs(model, drafter, states, root_tokens, following, shape)
     branches = (
         _branches(drafter, padded, roots, shape)
         if len(roots)
@@ -192,10 +186,10 @@ def record(
         shape,
         len(prompt),
         len(roots),
-        beam_runs,
-        _runs(branches, following),
+        by_search,
+        beam_runs(branches, following),
         branches[:, :, 1] == ABSENT,
-        _runs(repeated, following)[:, 0],
+        beam_runs(repeated, following)[:, 0],
     )
 
 
