@@ -37,6 +37,23 @@ class Expansion(NamedTuple):
     draft_tokens: mx.array
 
 
+class ScoredBeams(NamedTuple):
+    """Beams with two scores of each of their prefixes (0 at the root, never above the
+    parent's).
+
+    beams: (B, W, L) int32 target token ids, best beam first.
+    scores: (B, W, L) the prefix's draft log-probability at the row's temperature,
+        without the coupling's noise: the chance a sample takes it, by the drafter.
+    contest: (B, W, L) the log-softmax of the perturbed logits the search ranked by,
+        summed: how clearly each token won its position's perturbed contest (the
+        scores themselves for greedy rows).
+    """
+
+    beams: mx.array
+    scores: mx.array
+    contest: mx.array
+
+
 class Coupling(NamedTuple):
     """The target's sampling noise for the positions a beam search drafts.
 
@@ -102,10 +119,9 @@ def beam_search(
 ) -> mx.array:
     """Draft W candidate continuations of length L for every row: the beams (B, W, L)
     of `scored_beam_search`, without their scores."""
-    beams, _ = scored_beam_search(
+    return scored_beam_search(
         drafter, embed, hidden, root_tokens, beam_width, beam_length, expand, coupling
-    )
-    return beams
+    ).beams
 
 
 def scored_beam_search(
@@ -117,9 +133,9 @@ def scored_beam_search(
     beam_length: int,
     expand: Callable[[mx.array, mx.array], Expansion] = expand_beams,
     coupling: Coupling | None = None,
-) -> tuple[mx.array, mx.array]:
-    """Draft W candidate continuations of length L for every row, with the cumulative
-    draft log-probability of each of their prefixes.
+) -> ScoredBeams:
+    """Draft W candidate continuations of length L for every row, with two scores of
+    each of their prefixes (`ScoredBeams`).
 
     drafter: the recurrent drafter; embed: the target's token embedding (ids -> (..., D)).
     hidden: (B, D) target hidden state at the last committed position.
@@ -127,10 +143,9 @@ def scored_beam_search(
     expand: the expansion step (`expand_beams`, or a kernel with identical results).
     coupling: for sampled rows, the target's noise at the drafted positions: each
         step scores the candidates with logits * scale + noise (module docstring).
-    Returns beams (B, W, L) int32 target token ids, best beam first, and scores
-    (B, W, L) float32: the draft log-probability of each beam's prefix of length
-    k + 1 at the row's temperature (0 for the root; without the coupling's noise),
-    never higher than its parent's.
+    Returns the beams, the draft log-probability of each beam's prefix of length
+    k + 1 at the row's temperature (without the coupling's noise), and its
+    perturbed contest score (`ScoredBeams`).
 
     Scores start at [0, -inf, ...] so the first expansion grows beam 0 only and
     the W picks are W distinct tokens. Each step advances the recurrence with
@@ -140,8 +155,9 @@ def scored_beam_search(
     batch_size, hidden_size = hidden.shape
     beams = mx.broadcast_to(root_tokens[:, None, None], (batch_size, beam_width, 1))  # (B, W, 1)
     prefix_scores = mx.zeros((batch_size, beam_width, 1), dtype=mx.float32)  # (B, W, 1)
+    contest = prefix_scores  # (B, W, 1)
     if beam_length == 1:
-        return beams.astype(mx.int32), prefix_scores
+        return ScoredBeams(beams.astype(mx.int32), prefix_scores, contest)
     scores = mx.where(mx.arange(beam_width) == 0, 0.0, -mx.inf)  # (W,)
     scores = mx.broadcast_to(scores[None], (batch_size, beam_width)).astype(mx.float32)
     state = mx.zeros((batch_size, beam_width, hidden_size), dtype=hidden.dtype)  # (B, W, D)
@@ -156,6 +172,8 @@ def scored_beam_search(
             logits = logits.astype(mx.float32) * scale  # (B, W, Vd) at the row's temperature
             perturbed = logits + noise
         scores, parents, draft_tokens = expand(scores, perturbed)  # (B, W) each
+        contest = mx.take_along_axis(contest, parents[:, :, None], axis=1)  # (B, W, k)
+        contest = mx.concatenate([contest, scores[:, :, None]], axis=-1)  # (B, W, k + 1)
         tokens = drafter.to_target_ids(draft_tokens).astype(mx.int32)  # (B, W)
         beams = mx.take_along_axis(beams, parents[:, :, None], axis=1)  # (B, W, k)
         beams = mx.concatenate([beams, tokens[:, :, None]], axis=-1)  # (B, W, k + 1)
@@ -171,4 +189,4 @@ def scored_beam_search(
         prefix_scores = mx.concatenate([prefix_scores, grown[:, :, None]], axis=-1)  # (B, W, k + 1)
         state = mx.take_along_axis(state, parents[:, :, None], axis=1)  # (B, W, D)
         last_tokens = tokens
-    return beams.astype(mx.int32), prefix_scores
+    return ScoredBeams(beams.astype(mx.int32), prefix_scores, contest)

@@ -33,6 +33,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
+from .confidence import BINS, DEPTHS
 from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .distributed import agreed_seconds, agreed_values, all_ranks, sharding_group, sharding_label
 from .drafter import Drafter
@@ -388,13 +389,14 @@ def _draft_costs(
     widths = tuple(w for w in DRAFT_WIDTHS if w <= drafter.config.output_size)
     hidden = mx.zeros((1, drafter.config.hidden_size), dtype=mx.float32)  # (1, D)
     root = mx.zeros((1,), dtype=mx.int32)  # (1,)
+    rates = mx.zeros((1, DEPTHS, BINS))  # (1, DEPTHS, BINS): fixed trees ignore them
     first, level = [], []
     for width in widths:
         costs = []
         for length in (2, 4):
             steps = step_functions(model, drafter, TreeConfig(width, length))
             draft = steps.draft
-            costs.append(_time(lambda: draft(hidden, root, None), repeats))  # noqa: B023
+            costs.append(_time(lambda: tuple(draft(hidden, root, None, rates)), repeats))  # noqa: B023
         first.append(costs[0])
         level.append(max(costs[1] - costs[0], 0.0) / 2)
     return widths, tuple(first), tuple(level)

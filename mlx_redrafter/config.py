@@ -31,9 +31,11 @@ class TreeConfig:
         continuation the drafter's n-gram table knows (`ngrams.py`), when the drafter
         ships one; False keeps the drafter's best beam there (written ':text').
     draft_nodes: a dynamic tree (written 'WxL@n'): of the distinct prefixes the W
-        beams draft, the n with the highest cumulative draft probability, the root
-        included, are verified (`tree.keep_best_nodes`), as EAGLE-2 chooses its
-        nodes; the rest are cut. None verifies every drafted prefix (a full tree).
+        beams draft, the n likeliest to be accepted, the root included, are
+        verified (`tree.keep_best_nodes`), as EAGLE-2 chooses its nodes, each
+        prefix's chance taken from the acceptance measured for its tokens' depths
+        and draft probabilities (`confidence.py`); the rest are cut. None verifies
+        every drafted prefix (a full tree).
     """
 
     beam_width: int = 4
@@ -199,7 +201,7 @@ class TreeConfig:
                 f"{text!r} is not a tree: write WxL (drafter beams x beam length, "
                 "e.g. 2x2), WxL+G (G lookup branches from the text, e.g. 1x3+1) or "
                 "WxL+GxLl (lookup branches of Ll tokens, e.g. 1x3+1x6; ':text' after it "
-                "leaves the n-gram table out); WxL@n keeps the n most probable drafted "
+                "leaves the n-gram table out); WxL@n keeps the n likeliest drafted "
                 "prefixes (a dynamic tree, e.g. 4x4@7)"
             )
         return cls(

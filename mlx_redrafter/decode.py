@@ -15,14 +15,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .accept import Acceptance
-from .beam_search import Coupling, beam_search, scored_beam_search
+from .beam_search import Coupling, scored_beam_search
+from .confidence import BINS, DEPTHS, confident_scores, observed_counts
 from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
@@ -43,6 +44,22 @@ from .tree import PackedTree, chain_tree, keep_best_nodes, pad_beams
 HINDSIGHT_KEPT = 64  # most unchecked step starts a row keeps for a hindsight check
 
 
+class Draft(NamedTuple):
+    """A step's candidates and what the drafter thought of its own.
+
+    beams: (B, W + G, L) the drafter's beams (ABSENT past a dynamic tree's cut), then
+        the lookup branches; contest: (B, W, Lw) the drafter beams' prefixes' contest
+        scores (`beam_search.ScoredBeams`; zeros without a drafter).
+    """
+
+    beams: mx.array
+    contest: mx.array
+
+    def rows(self, index: mx.array) -> Draft:
+        """The draft of the batch rows at `index` (B',)."""
+        return Draft(self.beams[index], self.contest[index])
+
+
 @dataclass
 class DecodeState:
     """Everything the loop carries from one step to the next.
@@ -58,6 +75,9 @@ class DecodeState:
         ones at [0, lengths[b]), the root at lengths[b] (what lookup branches search).
     drafted: the next step's candidates, drafted ahead (`prefetch`), with the step
         functions that drafted them.
+    confidence: (2, DEPTHS, BINS) log acceptance rates of greedy and sampled rows'
+        drafted tokens (`confidence.DraftConfidence`), which rank a dynamic tree's
+        prefixes; None: the draft probabilities rank them.
     ahead: the next plain step's forward, launched ahead (`launch_plain`).
     riders: lazy arrays a check wants computed (hindsight runs, probe beams); the
         step evaluates them with its own work, at its look-ahead launch or its
@@ -82,7 +102,8 @@ class DecodeState:
     sampling: list[SamplingConfig]
     keys: mx.array
     history: mx.array
-    drafted: tuple[StepFunctions, mx.array] | None = None
+    drafted: tuple[StepFunctions, Draft] | None = None
+    confidence: mx.array | None = None
     ahead: PlainForward | None = None
     riders: list[mx.array] = field(default_factory=list)
     drawn: mx.array | None = None
@@ -110,13 +131,13 @@ class DecodeState:
         riders, self.riders = self.riders, []
         return riders
 
-    def prefetch(self, steps: StepFunctions, beams: mx.array) -> None:
-        """Keep the next step's candidates (B, W + G, L), drafted ahead and evaluated
+    def prefetch(self, steps: StepFunctions, drafted: Draft) -> None:
+        """Keep the next step's candidates, drafted ahead and evaluated
         asynchronously while the host works."""
-        mx.async_eval(beams)
-        self.drafted = (steps, beams)
+        mx.async_eval(*drafted)
+        self.drafted = (steps, drafted)
 
-    def take_draft(self, steps: StepFunctions) -> mx.array | None:
+    def take_draft(self, steps: StepFunctions) -> Draft | None:
         """The candidates drafted ahead for `steps`, once; None if there are none."""
         drafted, self.drafted = self.drafted, None
         if drafted is None or drafted[0] is not steps:
@@ -128,7 +149,7 @@ class DecodeState:
         index = mx.array(rows, dtype=mx.int32)
         self.ahead = None  # its K/V writes land past the lengths, where they are stale
         if self.drafted is not None:
-            self.drafted = (self.drafted[0], self.drafted[1][index])
+            self.drafted = (self.drafted[0], self.drafted[1].rows(index))
         self.cache.select_rows(rows)
         self.root_tokens = self.root_tokens[index]
         self.hidden = self.hidden[index]
@@ -214,6 +235,7 @@ class StepOutput:
     tree_sizes: list[int]  # distinct prefixes in each row's tree
     runs: np.ndarray  # (B, W + G) drafted tokens each candidate had accepted
     logprobs: list[list[TokenLogprob]] | None = None  # per emitted token, when asked
+    confidence: np.ndarray | None = None  # `confidence.observed_counts`, drafter steps
 
 
 class Prefill:
@@ -415,12 +437,18 @@ def plan_step(tree: TreeConfig, has_drafter: bool) -> StepPlan:
     )
 
 
+DraftFunction = Callable[[mx.array, mx.array, Coupling | None, mx.array], Draft]
+Drafted = tuple[mx.array, mx.array]  # what a compiled draft returns: a `Draft`'s fields
+
+
 @dataclass(frozen=True)
 class StepFunctions:
     """The per-step device functions of one `StepPlan`, built once.
 
-    draft: (hidden (B, D), root_tokens (B,), coupling) -> the drafter's beams (B, W, L)
-        (one beam of the root repeated when there are none)
+    draft: (hidden (B, D), root_tokens (B,), coupling, log_rates (B, DEPTHS, BINS))
+        -> the drafter's beams (B, W, L) and their prefixes' contest scores
+        (B, W, L) (one beam of the root repeated, scored 0, when there are none);
+        log_rates rank a dynamic tree's prefixes (`confidence.confident_scores`)
     coupling: state -> the target's sampling noise where the beams draft (`Coupling`),
         None when no row samples or nothing is drafted
     lookup: (beams, history (B, T), history lengths (B,)) -> (B, W + G, max(L, Ll)),
@@ -432,7 +460,7 @@ class StepFunctions:
     """
 
     plan: StepPlan
-    draft: Callable[[mx.array, mx.array, Coupling | None], mx.array]
+    draft: DraftFunction
     coupling: Callable[[DecodeState], Coupling | None]
     lookup: Callable[[mx.array, mx.array, mx.array], mx.array] | None
     pack: Callable[[mx.array], PackedTree]
@@ -508,7 +536,7 @@ def step_functions(
 
 def _drafter_beams(
     model: nn.Module, drafter: Drafter | None, plan: StepPlan, ops: Kernels, compiled: bool
-) -> Callable[[mx.array, mx.array, Coupling | None], mx.array]:
+) -> DraftFunction:
     """The draft function: beam search in the drafter (coupled with the target's noise
     for sampled rows), or the root repeated (the lookup's fallback, or plain
     decoding's one-token tree)."""
@@ -517,33 +545,40 @@ def _drafter_beams(
     embed = model.model.embed_tokens
     width, length, nodes = plan.tree.beam_width, plan.tree.beam_length, plan.tree.draft_nodes
 
-    def beams_of(hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None) -> mx.array:
-        if nodes is None:  # a fixed tree: every drafted prefix
-            return beam_search(
-                drafter, embed, hidden, root_tokens, width, length, ops.expand, coupling
-            )
-        # A dynamic tree: the `nodes` most probable prefixes of the W beams.
-        beams, scores = scored_beam_search(
+    def beams_of(
+        hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None, log_rates: mx.array
+    ) -> Drafted:
+        beams, scores, contest = scored_beam_search(
             drafter, embed, hidden, root_tokens, width, length, ops.expand, coupling
         )  # (B, W, L) each
-        return keep_best_nodes(beams, scores, nodes)
+        if nodes is None:  # a fixed tree: every drafted prefix
+            return beams, contest
+        # A dynamic tree: the `nodes` prefixes of the W beams likeliest to be accepted.
+        likely = confident_scores(scores, contest, log_rates)  # (B, W, L)
+        return keep_best_nodes(beams, likely, nodes), contest
 
-    def search(hidden: mx.array, root_tokens: mx.array) -> mx.array:
-        return beams_of(hidden, root_tokens, None)
+    def search(hidden: mx.array, root_tokens: mx.array, log_rates: mx.array) -> Drafted:
+        return beams_of(hidden, root_tokens, None, log_rates)
 
     def coupled(
-        hidden: mx.array, root_tokens: mx.array, scale: mx.array, noise: mx.array
-    ) -> mx.array:
-        return beams_of(hidden, root_tokens, Coupling(scale, noise))
+        hidden: mx.array,
+        root_tokens: mx.array,
+        scale: mx.array,
+        noise: mx.array,
+        log_rates: mx.array,
+    ) -> Drafted:
+        return beams_of(hidden, root_tokens, Coupling(scale, noise), log_rates)
 
     if compiled:
         search = mx.compile(search, inputs=[drafter.state, embed.state])
         coupled = mx.compile(coupled, inputs=[drafter.state, embed.state])
 
-    def draft(hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None) -> mx.array:
+    def draft(
+        hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None, log_rates: mx.array
+    ) -> Draft:
         if coupling is None:
-            return search(hidden, root_tokens)
-        return coupled(hidden, root_tokens, coupling.scale, coupling.noise)
+            return Draft(*search(hidden, root_tokens, log_rates))
+        return Draft(*coupled(hidden, root_tokens, coupling.scale, coupling.noise, log_rates))
 
     return draft
 
@@ -597,12 +632,14 @@ def _lookup(
     return lookup
 
 
-def _repeat_root(beam_length: int) -> Callable[[mx.array, mx.array, Coupling | None], mx.array]:
-    """A draft without the drafter: the root repeated, (B, 1, L)."""
+def _repeat_root(beam_length: int) -> DraftFunction:
+    """A draft without the drafter: the root repeated, (B, 1, L), scored 0."""
 
-    def draft(hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None) -> mx.array:
+    def draft(
+        hidden: mx.array, root_tokens: mx.array, coupling: Coupling | None, log_rates: mx.array
+    ) -> Draft:
         shape = (root_tokens.shape[0], 1, beam_length)
-        return mx.broadcast_to(root_tokens[:, None, None], shape)
+        return Draft(mx.broadcast_to(root_tokens[:, None, None], shape), mx.zeros(shape))
 
     return draft
 
@@ -628,14 +665,21 @@ class PhaseClock:
         self._last = now
 
 
-def draft(steps: StepFunctions, state: DecodeState) -> mx.array:
+def draft(steps: StepFunctions, state: DecodeState) -> Draft:
     """The step's candidates: the drafter's beams, then the lookup branches,
-    (B, W + G, L); the device work is lazy until evaluated."""
-    beams = steps.draft(state.hidden, state.root_tokens, steps.coupling(state))  # (B, W, L)
-    if steps.lookup is not None:
-        # Draft (context lookup): G more branches from each row's own text.
-        beams = steps.lookup(beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)
-    return beams
+    (B, W + G, L), and the beams' contest scores; lazy until evaluated."""
+    batch_size = state.root_tokens.shape[0]
+    if state.confidence is None:
+        log_rates = mx.zeros((batch_size, DEPTHS, BINS))  # the draft probabilities rank
+    else:  # the rates before the last step's counts, for a draft made ahead
+        log_rates = state.confidence[state.sampled.astype(mx.int32)]  # (B, DEPTHS, BINS)
+    coupling = steps.coupling(state)
+    drafted = steps.draft(state.hidden, state.root_tokens, coupling, log_rates)  # (B, W, L)
+    if steps.lookup is None:
+        return drafted
+    # Draft (context lookup): G more branches from each row's own text.
+    beams = steps.lookup(drafted.beams, state.history, state.cache.lengths + 1)  # (B, W + G, L)
+    return drafted._replace(beams=beams)
 
 
 def decode_step(
@@ -662,9 +706,8 @@ def decode_step(
         return plain_step(model, state, clock, look_ahead, logprobs)
     state.ahead = None  # a plain forward launched ahead is not this step's
     # Draft: W beams of L tokens, each opened by the row's root token, and G branches.
-    beams = state.take_draft(steps)
-    if beams is None:
-        beams = draft(steps, state)  # (B, W + G, L)
+    drafted = state.take_draft(steps) or draft(steps, state)
+    beams = drafted.beams  # (B, W + G, L)
     if clock:
         clock.mark("draft", beams)
     # Pack tree: each distinct prefix once, N static for this tree.
@@ -679,12 +722,15 @@ def decode_step(
     # Accept: walk the tree along the target's choices.
     walk = (steps, state, beams, tree, hidden, logits, logprobs)
     result, figures = accept_choices(*walk, choices)
+    counts = _confidence_counts(steps.plan, drafted, result.runs, state.sampled)
     # The step's one host sync (it also materializes this forward's K/V writes).
-    mx.eval(state.hidden, result, tree.num_tokens, unsure, _arrays(figures), state.take_riders())
+    riders = state.take_riders()
+    mx.eval(state.hidden, result, tree.num_tokens, unsure, _arrays(figures), counts, riders)
     if unsure.item():
         # Rare: near-equal logits at some node; choose exactly as mlx-lm does.
         result, figures = accept_choices(*walk, choose_tokens(logits, state.sampling, noise))
-        mx.eval(state.hidden, result, _arrays(figures))
+        counts = _confidence_counts(steps.plan, drafted, result.runs, state.sampled)
+        mx.eval(state.hidden, result, _arrays(figures), counts)
     state.root_tokens = result.bonus_tokens
     state.record(result.tokens)
     num_accepted = host_list(result.num_accepted)
@@ -698,7 +744,24 @@ def decode_step(
         state.prefetch(steps, draft(steps, state))
     sizes, runs = host_list(tree.num_tokens), np.array(result.runs)
     report = None if figures is None else figures.to_host(tokens)
-    return StepOutput(tokens, num_accepted, sizes, runs, report)
+    confidence = None if counts is None else np.array(counts)
+    return StepOutput(tokens, num_accepted, sizes, runs, report, confidence)
+
+
+def _confidence_counts(
+    plan: StepPlan, drafted: Draft, runs: mx.array, sampled: mx.array
+) -> mx.array | None:
+    """The step's `confidence.observed_counts` of its drafter beams (lazy), or None
+    without drafter beams, or with a tree budget (whose cut tokens acceptance treats
+    as drafted and missed)."""
+    if not plan.drafts or plan.tree.tree_budget is not None:
+        return None
+    width, length = drafted.contest.shape[1:]
+    beams = drafted.beams[:, :width, :length]  # (B, W, L) the drafter's own
+    return _observed_counts(beams, drafted.contest, runs[:, :width], sampled)
+
+
+_observed_counts = mx.compile(observed_counts)  # traced once per (B, W, L)
 
 
 def accept_choices(

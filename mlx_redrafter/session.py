@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .auto import AutoTree
+from .confidence import DraftConfidence, shared_confidence
 from .config import (
     DEFAULT_TREE,
     GREEDY,
@@ -49,11 +50,12 @@ from .decode import (
     StepFunctions,
     StepOutput,
     decode_step,
+    draft,
     plan_step,
     shared_step_functions,
     step_functions,
 )
-from .distributed import agreed_key, agreed_seconds, sharding_group
+from .distributed import agreed_key, agreed_seconds, agreed_values, sharding_group
 from .drafter import Drafter
 from .kernels import Kernels
 from .logprobs import MAX_TOP, TokenLogprob
@@ -359,6 +361,12 @@ class DecodingSession:
         self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
         self._oldest_due = False  # the oldest prefill gets the next chunk
         self._probe: DraftProbe | None = None  # drafter beams waiting for their tokens
+        # What the target accepts of the drafter's tokens, which ranks dynamic trees.
+        self.confidence: DraftConfidence | None = None
+        if drafter is not None:
+            self.confidence = shared_confidence(model, drafter)
+            if self.group is not None:  # sharded: every rank must keep the same nodes
+                self.confidence.agree(partial(agreed_values, group=self.group))
         self._timed: _TimedStep | None = None  # the last step, until its host work is known
         self._ids = itertools.count()
 
@@ -603,9 +611,15 @@ class DecodingSession:
         with mx.stream(generation_stream()):
             hindsight = self._hindsight(state, tree, steps.plan.lookup_branches > 0)
             self._start_probe(state, tree)
+            if self.confidence is not None and tree.draft_nodes is not None:
+                state.confidence = self.confidence.log_rates()  # ranks the nodes kept
+            else:
+                state.confidence = None
             output = decode_step(
                 self.model, steps, state, self.clock, self.prefetch, look_ahead, top
             )
+        if self.confidence is not None and output.confidence is not None:
+            self.confidence.observe(output.confidence)
         # Sharded: rank 0's time on every rank, so every rank chooses the same next tree.
         seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
@@ -722,9 +736,7 @@ class DecodingSession:
         probe_tree = ask(tree)
         if probe_tree is None:
             return
-        functions = self.step_functions(probe_tree)
-        coupling = functions.coupling(state)
-        beams = functions.draft(state.hidden, state.root_tokens, coupling)  # (B, W, L)
+        beams = draft(self.step_functions(probe_tree), state).beams  # (B, W, L)
         state.ride(beams)
         self._probe = DraftProbe.start(probe_tree, state.row_ids, beams)
 

@@ -103,7 +103,7 @@ def prefixes_of(beams: mx.array, owners: mx.array) -> Prefixes:
 
 def keep_best_nodes(beams: mx.array, scores: mx.array, count: int) -> mx.array:
     """A dynamic tree: keep the `count` distinct prefixes of the beams with the highest
-    scores (cumulative draft log-probabilities), as EAGLE-2 reranks its draft tree,
+    scores (e.g. `confidence.confident_scores`), as EAGLE-2 reranks its draft tree,
     and end each beam (ABSENT) where its next prefix was not kept.
 
     beams: (B, W, L); scores: (B, W, L), a prefix never above its parent (so the kept

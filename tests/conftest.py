@@ -141,3 +141,13 @@ def fresh_measured_costs(monkeypatch):
     from mlx_redrafter.per_model import PerModel
 
     monkeypatch.setattr(auto, "_MEASURED", PerModel())
+
+
+@pytest.fixture(autouse=True)
+def fresh_confidence(monkeypatch):
+    """Each test's dynamic trees start from no measured draft confidence: it is
+    shared by a process's sessions (`confidence.shared_confidence`)."""
+    from mlx_redrafter import confidence
+    from mlx_redrafter.per_model import PerModel
+
+    monkeypatch.setattr(confidence, "_SHARED", PerModel())

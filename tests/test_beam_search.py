@@ -102,9 +102,10 @@ def test_scored_beam_search_gives_the_beams_and_their_prefixes_log_probabilities
     model, drafter, embed = tiny_drafter()
     hidden = mx.random.normal((2, model.args.hidden_size), key=mx.random.key(4))
     roots = mx.array([5, 7])
-    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 3, 2)
+    beams, scores, contest = scored_beam_search(drafter, embed, hidden, roots, 3, 2)
     assert beams.tolist() == beam_search(drafter, embed, hidden, roots, 3, 2).tolist()
-    deep, deep_scores = scored_beam_search(drafter, embed, hidden, roots, 3, 4)
+    assert mx.allclose(contest, scores).item()  # greedy: no noise in the contest
+    deep, deep_scores, _ = scored_beam_search(drafter, embed, hidden, roots, 3, 4)
     assert mx.all(deep_scores[:, :, 1:] <= deep_scores[:, :, :-1]).item()
     assert scores.shape == (2, 3, 2)
     assert mx.all(scores[:, :, 0] == 0).item()
@@ -135,17 +136,21 @@ def test_a_sampled_rows_prefix_scores_leave_the_targets_noise_out():
     forced = int(mx.argmin(logits).item())  # the drafter's least likely token
     noise[0, 0, forced] = 1e4
     coupling = Coupling(mx.array([2.0]), noise)
-    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 1, 2, coupling=coupling)
+    beams, scores, contest = scored_beam_search(
+        drafter, embed, hidden, roots, 1, 2, coupling=coupling
+    )
     assert beams[0, 0, 1].item() == drafter.to_target_ids(mx.array(forced)).item()
     assert scores[0, 0, 1].item() == pytest.approx(logprobs[forced].item(), abs=1e-4)
+    assert contest[0, 0, 1].item() == pytest.approx(0.0, abs=1e-4)  # won the contest clearly
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_dynamic_trees_step_drafts_the_most_probable_prefixes(compiled):
-    """The step functions of `4x4@5` draft exactly `keep_best_nodes` of the scored beam
-    search (so the tree is chosen by score, not cut in packed order), and pack them
-    into 5 tokens."""
+def test_a_dynamic_trees_step_drafts_the_likeliest_prefixes(compiled):
+    """With neutral rates, the step functions of `4x4@5` draft exactly `keep_best_nodes`
+    of the scored beam search (so the tree is chosen by score, not cut in packed
+    order), and pack them into 5 tokens."""
     from mlx_redrafter.beam_search import scored_beam_search
+    from mlx_redrafter.confidence import BINS, DEPTHS
     from mlx_redrafter.config import TreeConfig
     from mlx_redrafter.decode import step_functions
     from mlx_redrafter.target import prepare_target
@@ -156,9 +161,11 @@ def test_a_dynamic_trees_step_drafts_the_most_probable_prefixes(compiled):
     steps = step_functions(model, drafter, TreeConfig(4, 4, draft_nodes=5), compiled=compiled)
     hidden = mx.random.normal((3, model.args.hidden_size), key=mx.random.key(6))
     roots = mx.array([5, 7, 9])
-    drafted = steps.draft(hidden, roots, None)  # (B, W, L)
-    beams, scores = scored_beam_search(drafter, embed, hidden, roots, 4, 4)
+    neutral = mx.zeros((3, DEPTHS, BINS))  # every rate 1: the draft probabilities rank
+    drafted, drafted_contest = steps.draft(hidden, roots, None, neutral)  # (B, W, L) each
+    beams, scores, contest = scored_beam_search(drafter, embed, hidden, roots, 4, 4)
     assert drafted.tolist() == keep_best_nodes(beams, scores, 5).tolist()
+    assert mx.allclose(drafted_contest, contest).item()
     assert drafted.tolist() != pack_tree(beams, 5).tokens.tolist()  # not the full beams
     assert mx.sum(drafted < 0).item() > 0  # some prefixes were cut
     assert steps.pack(drafted).num_tokens.tolist() == [5, 5, 5]
