@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-from .confidence import BINS, DEPTHS
+from .confidence import neutral_rates
 from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .distributed import agreed_seconds, agreed_values, all_ranks, sharding_group, sharding_label
 from .drafter import Drafter
@@ -389,7 +389,7 @@ def _draft_costs(
     widths = tuple(w for w in DRAFT_WIDTHS if w <= drafter.config.output_size)
     hidden = mx.zeros((1, drafter.config.hidden_size), dtype=mx.float32)  # (1, D)
     root = mx.zeros((1,), dtype=mx.int32)  # (1,)
-    rates = mx.zeros((1, DEPTHS, BINS))  # (1, DEPTHS, BINS): fixed trees ignore them
+    rates = neutral_rates(1)  # (1, DEPTHS, BINS)
     first, level = [], []
     for width in widths:
         costs = []

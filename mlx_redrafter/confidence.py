@@ -32,6 +32,7 @@ import numpy as np
 
 from .drafter import Drafter
 from .per_model import PerModel
+from .tree import prefix_owners, prefixes_of
 
 DEPTHS = 8  # depths measured apart; deeper drafted tokens share the last
 BINS = 10  # bins of draft probability, each 1 / BINS wide
@@ -78,16 +79,10 @@ def confident_scores(scores: mx.array, contest: mx.array, log_rates: mx.array) -
     return cumulative + TIE_SHARE * scores
 
 
-def first_owned(beams: mx.array) -> mx.array:
-    """(B, W, L) bool: the beam holds a token there and its prefix appears in no
-    earlier beam (so a token shared by several beams counts once)."""
-    equal = beams[:, :, None, :] == beams[:, None, :, :]  # (B, W, W, L) [b, i, j, k]
-    same_prefix = mx.cumprod(equal.astype(mx.int32), axis=-1) > 0  # (B, W, W, L)
-    width = beams.shape[1]
-    earlier = mx.arange(width)[None, :] < mx.arange(width)[:, None]  # (W, W) [i, j]: j < i
-    shared = mx.any(same_prefix & earlier[None, :, :, None], axis=2)  # (B, W, L)
-    present = mx.cumprod((beams >= 0).astype(mx.int32), axis=-1) > 0  # (B, W, L)
-    return present & ~shared
+def neutral_rates(batch_size: int) -> mx.array:
+    """(B, DEPTHS, BINS) log rates of 0: the draft probabilities alone rank a dynamic
+    tree's prefixes (and a fixed tree ignores them)."""
+    return mx.zeros((batch_size, DEPTHS, BINS))
 
 
 def observed_counts(
@@ -102,7 +97,9 @@ def observed_counts(
     """
     batch_size, beam_width, beam_length = beams.shape
     depth = mx.arange(1, beam_length)  # (L-1,) drafted tokens' depths
-    counted = first_owned(beams)[:, :, 1:]  # (B, W, L-1)
+    # A token shared by several beams counts once, at the beam that owns its prefix.
+    owned = prefixes_of(beams, prefix_owners(beams)).is_new.reshape(beams.shape)  # (B, W, L)
+    counted = owned[:, :, 1:]  # (B, W, L-1)
     reached = counted & (runs[:, :, None] >= depth - 1)  # (B, W, L-1)
     accepted = reached & (runs[:, :, None] >= depth)
     kind = sampled.astype(mx.int32)[:, None, None]  # (B, 1, 1)

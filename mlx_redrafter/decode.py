@@ -23,7 +23,7 @@ import numpy as np
 
 from .accept import Acceptance
 from .beam_search import Coupling, scored_beam_search
-from .confidence import BINS, DEPTHS, confident_scores, observed_counts
+from .confidence import confident_scores, neutral_rates, observed_counts
 from .config import GREEDY, CacheConfig, SamplingConfig, TreeConfig
 from .drafter import Drafter
 from .kernels import Kernels, select_kernels
@@ -668,9 +668,8 @@ class PhaseClock:
 def draft(steps: StepFunctions, state: DecodeState) -> Draft:
     """The step's candidates: the drafter's beams, then the lookup branches,
     (B, W + G, L), and the beams' contest scores; lazy until evaluated."""
-    batch_size = state.root_tokens.shape[0]
     if state.confidence is None:
-        log_rates = mx.zeros((batch_size, DEPTHS, BINS))  # the draft probabilities rank
+        log_rates = neutral_rates(state.root_tokens.shape[0])  # (B, DEPTHS, BINS)
     else:  # the rates before the last step's counts, for a draft made ahead
         log_rates = state.confidence[state.sampled.astype(mx.int32)]  # (B, DEPTHS, BINS)
     coupling = steps.coupling(state)

@@ -37,7 +37,7 @@ from .auto import (
     step_seconds,
 )
 from .calibrate import Calibration
-from .confidence import BINS, DEPTHS
+from .confidence import neutral_rates
 from .config import PLAIN_DECODING, CacheConfig, TreeConfig
 from .decode import step_functions
 from .drafter import Drafter
@@ -124,8 +124,8 @@ def _searched_runs(
         for length in shape.lengths:
             tree = TreeConfig(width, length)
             draft = step_functions(model, drafter, tree, compiled=False).draft
-            no_rates = mx.zeros((root_tokens.shape[0], DEPTHS, BINS))  # fixed trees ignore them
-            beams = np.array(draft(states, root_tokens, None, no_rates).beams)  # (M, W, L)
+            rates = neutral_rates(root_tokens.shape[0])  # (M, DEPTHS, BINS)
+            beams = np.array(draft(states, root_tokens, None, rates).beams)  # (M, W, L)
             runs[width, length] = beam_runs(beams, following[:, : length - 1])
     return runs
 

@@ -150,7 +150,7 @@ def test_a_dynamic_trees_step_drafts_the_likeliest_prefixes(compiled):
     of the scored beam search (so the tree is chosen by score, not cut in packed
     order), and pack them into 5 tokens."""
     from mlx_redrafter.beam_search import scored_beam_search
-    from mlx_redrafter.confidence import BINS, DEPTHS
+    from mlx_redrafter.confidence import neutral_rates
     from mlx_redrafter.config import TreeConfig
     from mlx_redrafter.decode import step_functions
     from mlx_redrafter.target import prepare_target
@@ -161,7 +161,7 @@ def test_a_dynamic_trees_step_drafts_the_likeliest_prefixes(compiled):
     steps = step_functions(model, drafter, TreeConfig(4, 4, draft_nodes=5), compiled=compiled)
     hidden = mx.random.normal((3, model.args.hidden_size), key=mx.random.key(6))
     roots = mx.array([5, 7, 9])
-    neutral = mx.zeros((3, DEPTHS, BINS))  # every rate 1: the draft probabilities rank
+    neutral = neutral_rates(3)  # every rate 1: the draft probabilities rank
     drafted, drafted_contest = steps.draft(hidden, roots, None, neutral)  # (B, W, L) each
     beams, scores, contest = scored_beam_search(drafter, embed, hidden, roots, 4, 4)
     assert drafted.tolist() == keep_best_nodes(beams, scores, 5).tolist()

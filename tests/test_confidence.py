@@ -12,6 +12,7 @@ from mlx_redrafter.confidence import (
     DEPTHS,
     DraftConfidence,
     confident_scores,
+    neutral_rates,
     observed_counts,
     shared_confidence,
     token_bins,
@@ -33,7 +34,7 @@ def log_rates(depth_one: float, deeper: float) -> mx.array:
 
 
 def test_without_measurements_the_draft_probabilities_rank_the_prefixes():
-    neutral = mx.zeros((1, DEPTHS, BINS))
+    neutral = neutral_rates(1)
     kept = keep_best_nodes(BEAMS, confident_scores(SCORES, SCORES, neutral), 3)
     assert kept.tolist() == keep_best_nodes(BEAMS, SCORES, 3).tolist()
     assert kept.tolist() == [[[5, 7, 9], [5, -1, -1]]]  # 0.54 beats 0.35: deep first
