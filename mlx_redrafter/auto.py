@@ -41,6 +41,8 @@ from .per_model import PerModel
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
 PROBE_LONGEST = 16  # most steps between two drafter probes
 PROBE_WIDTH, PROBE_LENGTH = 2, 5  # the drafter tree a probe drafts (`probes.py`)
+POOL_STEPS = 4.0  # steps' worth of all trees' cost factor in each tree's (`MeasuredCosts`)
+STEP_FADE = 0.99  # what a tree's step counts in that pool after another tree step
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps
 # whose best of the first k + 1 branches had d tokens accepted. Measured (greedy,
@@ -383,18 +385,45 @@ class MeasuredCosts:
     earlier requests measured. Acceptance is not shared: it follows each request's
     own text.
 
-    factor (C,): each tree's measured step time over its predicted one; overhead
-    (plain, trees): measured seconds beyond the calibrated cost; entry: the extra
-    seconds of a stint's first step; stint: the steps a stint of trees between two
-    plain steps lasts (a running mean; None until one has ended; a stint that
-    lasts to the end of its session is not counted).
+    factor (C,): each tree's own measured step time over its predicted one, from
+    `steps` (C,) of its steps, which fade by `STEP_FADE` every tree step so that a
+    tree not run for a while counts little (`factors` is what the choice uses);
+    overhead (plain,
+    trees): measured seconds beyond the calibrated cost; entry: the extra seconds of
+    a stint's first step; stint: the steps a stint of trees between two plain steps
+    lasts (a running mean; None until one has ended; a stint that lasts to the end
+    of its session is not counted).
     """
 
     def __init__(self, trees: int):
         self.factor = np.ones(trees)
+        self.steps = np.zeros(trees)
         self.overhead = np.zeros(2)
         self.entry = 0.0
         self.stint: float | None = None
+
+    def learn(self, index: int, ratio: float) -> None:
+        """One step of tree `index` took `ratio` times its prediction: its factor is
+        the mean of its steps' ratios, then a running one (the last fifth of weight
+        on the newest step)."""
+        self.steps *= STEP_FADE
+        self.steps[index] += 1
+        rate = max(1.0 / self.steps[index], 0.2)
+        self.factor[index] += rate * (ratio - self.factor[index])
+
+    def factors(self, pool: float = POOL_STEPS) -> np.ndarray:
+        """(C,) the factor each tree's steps are priced at: its own, mixed with `pool`
+        (> 0) steps' worth of the factor of every tree that ran (weighted by their
+        fading steps). A tree that has not run is priced as the trees that have: the
+        overhead learns what every tree step costs beyond the calibration more slowly
+        than a tree's factor does, so own factors alone would price the trees tried
+        so far above the untried ones, and the choice would hop from tree to untried
+        tree."""
+        if pool <= 0:
+            raise ValueError(f"pool: a positive number of steps; got {pool}")
+        ran = float(self.steps.sum())
+        pooled = float(self.steps @ self.factor) / ran if ran else 1.0
+        return (self.steps * self.factor + pool * pooled) / (self.steps + pool)
 
 
 _MEASURED: PerModel[MeasuredCosts] = PerModel()
@@ -486,8 +515,10 @@ class AutoTree:
 
     @property
     def factor(self) -> np.ndarray:
-        """(C,) each tree's measured step time over its predicted one."""
-        return self.measured.factor
+        """(C,) each tree's measured step time over its predicted one, as the choice
+        prices it (`MeasuredCosts.factors`); 1 for plain decoding, whose steps learn
+        only their overhead."""
+        return np.where(self.candidates.plain, 1.0, self.measured.factors())
 
     @property
     def overhead(self) -> np.ndarray:
@@ -522,8 +553,8 @@ class AutoTree:
 
     def costs(self, batch_size: int, context: int, temperature: float = 0.0) -> np.ndarray:
         """(C,) expected step seconds: the calibrated cost plus the measured overhead
-        of its kind (plain or tree steps), times each tree's own measured correction
-        once it has run."""
+        of its kind (plain or tree steps), times each tree's measured factor
+        (`MeasuredCosts.factors`: its own mixed with the trees' that ran)."""
         overhead = np.where(self.candidates.plain, self.overhead[0], self.overhead[1])  # (C,)
         return (self.calibrated(batch_size, context, temperature) + overhead) * self.factor
 
@@ -716,4 +747,4 @@ class AutoTree:
         self.overhead[1] += 0.1 * (gap - self.overhead[1])
         # ... and what this tree's steps cost beyond that.
         ratio = min(max(seconds / (predicted + self.overhead[1]), 0.5), 3.0)
-        self.factor[index] += 0.2 * (ratio - self.factor[index])
+        self.measured.learn(index, ratio)

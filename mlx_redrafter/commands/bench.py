@@ -55,6 +55,14 @@ def register(commands: Any) -> None:
         f"tokens), comma-separated (default "
         f"{DEFAULT_TREE}, the default of generation)",
     )
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="run every method R times on each prompt, in rounds, and count each "
+        "method's fastest run (default 1; 2 or 3 on a shared or noisy machine)",
+    )
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--top-k", type=int, default=0)
@@ -142,6 +150,8 @@ def run_second_turns(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.second_turns is not None:
+        if args.repeats != 1:
+            raise ValueError("--repeats applies to decoding runs, not to --second-turns")
         return run_second_turns(args)
     config = BenchConfig(
         max_tokens=args.max_tokens,
@@ -153,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
         profile_prompts=args.profile_prompts,
         batch_sizes=args.batch_sizes,
         ignore_eos=args.ignore_eos,
+        repeats=args.repeats,
     )
     records = select_prompts(read_prompts(args.prompts), args.per_category, args.limit)
     model, drafter, tokenizer = load_from_args(args)
