@@ -388,11 +388,10 @@ class MeasuredCosts:
     factor (C,): each tree's own measured step time over its predicted one, from
     `steps` (C,) of its steps, which fade by `STEP_FADE` every tree step so that a
     tree not run for a while counts little (`factors` is what the choice uses);
-    overhead (plain,
-    trees): measured seconds beyond the calibrated cost; entry: the extra seconds of
-    a stint's first step; stint: the steps a stint of trees between two plain steps
-    lasts (a running mean; None until one has ended; a stint that lasts to the end
-    of its session is not counted).
+    overhead (plain, trees): measured seconds beyond the calibrated cost; entry: the
+    extra seconds of a stint's first step; stint: the steps a stint of trees between
+    two plain steps lasts (a running mean; None until one has ended; a stint that
+    lasts to the end of its session is not counted).
     """
 
     def __init__(self, trees: int):
@@ -404,8 +403,8 @@ class MeasuredCosts:
 
     def learn(self, index: int, ratio: float) -> None:
         """One step of tree `index` took `ratio` times its prediction: its factor is
-        the mean of its steps' ratios, then a running one (the last fifth of weight
-        on the newest step)."""
+        the mean of its (faded) steps' ratios while they are few, then a running
+        one (a fifth of the weight on the newest step)."""
         self.steps *= STEP_FADE
         self.steps[index] += 1
         rate = max(1.0 / self.steps[index], 0.2)
