@@ -385,7 +385,7 @@ class MeasuredCosts:
     earlier requests measured. Acceptance is not shared: it follows each request's
     own text.
 
-    factor (C,): each tree's own measured step time over its predicted one, from
+    own (C,): each tree's own measured step time over its predicted one, from
     `steps` (C,) of its steps, which fade by `STEP_FADE` every tree step so that a
     tree not run for a while counts little (`factors` is what the choice uses);
     overhead (plain, trees): measured seconds beyond the calibrated cost; entry: the
@@ -395,7 +395,7 @@ class MeasuredCosts:
     """
 
     def __init__(self, trees: int):
-        self.factor = np.ones(trees)
+        self.own = np.ones(trees)
         self.steps = np.zeros(trees)
         self.overhead = np.zeros(2)
         self.entry = 0.0
@@ -408,7 +408,7 @@ class MeasuredCosts:
         self.steps *= STEP_FADE
         self.steps[index] += 1
         rate = max(1.0 / self.steps[index], 0.2)
-        self.factor[index] += rate * (ratio - self.factor[index])
+        self.own[index] += rate * (ratio - self.own[index])
 
     def factors(self, pool: float = POOL_STEPS) -> np.ndarray:
         """(C,) the factor each tree's steps are priced at: its own, mixed with `pool`
@@ -421,8 +421,8 @@ class MeasuredCosts:
         if pool <= 0:
             raise ValueError(f"pool: a positive number of steps; got {pool}")
         ran = float(self.steps.sum())
-        pooled = float(self.steps @ self.factor) / ran if ran else 1.0
-        return (self.steps * self.factor + pool * pooled) / (self.steps + pool)
+        pooled = float(self.steps @ self.own) / ran if ran else 1.0
+        return (self.steps * self.own + pool * pooled) / (self.steps + pool)
 
 
 _MEASURED: PerModel[MeasuredCosts] = PerModel()
@@ -466,7 +466,7 @@ class AutoTree:
         self.estimates = (AcceptanceEstimate(self._cubes[0]), AcceptanceEstimate(self._cubes[1]))
         self._beam_evidence = 0.0  # drafter beams seen by sampled steps (row-steps)
         self.measured = measured if measured is not None else MeasuredCosts(len(candidates.trees))
-        if len(self.measured.factor) != len(candidates.trees):
+        if len(self.measured.own) != len(candidates.trees):
             raise ValueError("measured: the MeasuredCosts of these candidates' trees")
         self.every, self.margin = every, margin
         self._after_plain = True

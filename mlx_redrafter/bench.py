@@ -550,12 +550,10 @@ def interleaved_runs(
         fastest = fastest_runs(methods, model, drafter, tokenizer, prompt, index, config)
         for method in methods:
             run, repeated = fastest[method.name]  # repeated: every repeat decoded alike
-            if config.sampling.greedy and method is not BASELINE:
+            runs[method.name].append(run)  # mlx-lm's first: `benchmark_methods`
+            if config.sampling.greedy:
                 same = run.tokens == runs[BASELINE.name][index].tokens
                 run.matches_baseline = same and repeated
-            elif method is BASELINE and config.sampling.greedy:
-                run.matches_baseline = repeated
-            runs[method.name].append(run)
         if progress:
             done = index + 1
             eta = (time.perf_counter() - started) / done * (len(prompts) - done)
