@@ -41,8 +41,8 @@ from .per_model import PerModel
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
 PROBE_LONGEST = 16  # most steps between two drafter probes
 PROBE_WIDTH, PROBE_LENGTH = 2, 5  # the drafter tree a probe drafts (`probes.py`)
-POOL_STEPS = 4.0  # steps' worth of all trees' cost factor in each tree's (`MeasuredCosts`)
-STEP_FADE = 0.99  # what a tree's step counts in that pool after another tree step
+POOL_STEPS = 4.0  # steps' worth of the calibration in each measured cost (`MeasuredCosts`)
+STEP_FADE = 0.99  # what a step counts in those costs after another step, plain or not
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps
 # whose best of the first k + 1 branches had d tokens accepted. Measured (greedy,
@@ -386,42 +386,70 @@ class MeasuredCosts:
     own text.
 
     own (C,): each tree's own measured step time over its predicted one, from
-    `steps` (C,) of its steps, which fade by `STEP_FADE` every tree step so that a
-    tree not run for a while counts little (`factors` is what the choice uses);
-    overhead (plain, trees): measured seconds beyond the calibrated cost; entry: the
-    extra seconds of a stint's first step; stint: the steps a stint of trees between
-    two plain steps lasts (a running mean; None until one has ended; a stint that
-    lasts to the end of its session is not counted).
+    `steps` (C,) of its steps; excess (plain, trees): the seconds their steps took
+    beyond the calibrated cost, from `excess_steps` (2,) steps (`overhead` is what
+    the choice uses). Each is the mean of its steps while they are few, then a
+    running mean. Every step decoded, plain ones included, fades these step counts
+    by `STEP_FADE`, so that what was measured a while ago (a slow spell) counts
+    little and the calibration's prices return. entry: the extra seconds of a
+    stint's first step; stint: the steps a stint of trees between two plain steps
+    lasts (running means, not faded; stint is None until one has ended; a stint
+    that lasts to the end of its session is not counted).
     """
 
     def __init__(self, trees: int):
         self.own = np.ones(trees)
         self.steps = np.zeros(trees)
-        self.overhead = np.zeros(2)
+        self.excess = np.zeros(2)
+        self.excess_steps = np.zeros(2)
         self.entry = 0.0
         self.stint: float | None = None
+
+    def fade(self) -> None:
+        """Another step was decoded: what every step so far taught counts a little
+        less. Plain steps fade it too: while plain decoding runs, no tree step runs
+        that could correct a tree price learned in a slow spell, so the fading is
+        what brings it back to the calibration's and lets trees be tried again."""
+        self.steps *= STEP_FADE
+        self.excess_steps *= STEP_FADE
+
+    def learn_excess(self, kind: int, seconds: float) -> None:
+        """A step of `kind` (0 plain, 1 trees) took `seconds` beyond its calibrated
+        cost: the mean of such excesses while they are few, then a running one (a
+        tenth of the weight on the newest step)."""
+        self.excess_steps[kind] += 1
+        rate = max(1.0 / self.excess_steps[kind], 0.1)
+        self.excess[kind] += rate * (seconds - self.excess[kind])
+
+    @property
+    def overhead(self) -> np.ndarray:
+        """(plain, trees) the seconds beyond the calibrated cost their steps are priced
+        at: the measured excess, shrunk toward the calibration's 0 by `POOL_STEPS`
+        steps' worth (one step's excess is a fifth of it, not all); read-only."""
+        priced = self.excess * self.excess_steps / (self.excess_steps + POOL_STEPS)
+        priced.setflags(write=False)
+        return priced
 
     def learn(self, index: int, ratio: float) -> None:
         """One step of tree `index` took `ratio` times its prediction: its factor is
         the mean of its (faded) steps' ratios while they are few, then a running
         one (a fifth of the weight on the newest step)."""
-        self.steps *= STEP_FADE
         self.steps[index] += 1
         rate = max(1.0 / self.steps[index], 0.2)
         self.own[index] += rate * (ratio - self.own[index])
 
     def factors(self, pool: float = POOL_STEPS) -> np.ndarray:
         """(C,) the factor each tree's steps are priced at: its own, mixed with `pool`
-        (> 0) steps' worth of the factor of every tree that ran (weighted by their
-        fading steps). A tree that has not run is priced as the trees that have: the
-        overhead learns what every tree step costs beyond the calibration more slowly
-        than a tree's factor does, so own factors alone would price the trees tried
-        so far above the untried ones, and the choice would hop from tree to untried
-        tree."""
+        (> 0) steps' worth of the pooled factor. The pooled factor is the mean of every
+        tree's (weighted by their fading steps) and of `pool` steps at factor 1, the
+        calibration's: one slow step is a fifth of it, not all. A tree that has not
+        run is priced as the trees that have: the overhead learns what every tree step
+        costs beyond the calibration more slowly than a tree's factor does, so own
+        factors alone would price the trees tried so far above the untried ones, and
+        the choice would hop from tree to untried tree."""
         if pool <= 0:
             raise ValueError(f"pool: a positive number of steps; got {pool}")
-        ran = float(self.steps.sum())
-        pooled = float(self.steps @ self.own) / ran if ran else 1.0
+        pooled = (float(self.steps @ self.own) + pool) / (float(self.steps.sum()) + pool)
         return (self.steps * self.own + pool * pooled) / (self.steps + pool)
 
 
@@ -474,6 +502,7 @@ class AutoTree:
         # Trees this session has run: the first step of each may build (compile) its
         # functions for this session's compilation and kernels, so it teaches no cost.
         self._ran: set[int] = set()
+        self._held: float | None = None  # the last plain step's excess, learned after the next
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
@@ -521,10 +550,10 @@ class AutoTree:
 
     @property
     def overhead(self) -> np.ndarray:
-        """Measured step time beyond the calibrated cost (seconds), for plain steps
-        and for tree steps apart (plain, trees): a tree step's host work (packing,
-        acceptance, the cache commit) is not a plain step's, which the calibration
-        times whole."""
+        """(plain, trees) the step time beyond the calibrated cost (seconds) that the
+        choice prices, measured for plain steps and for tree steps apart
+        (`MeasuredCosts.overhead`): a tree step's host work (packing, acceptance, the
+        cache commit) is not a plain step's, which the calibration times whole."""
         return self.measured.overhead
 
     @property
@@ -707,25 +736,46 @@ class AutoTree:
         """Learn from a step: its time and each row's runs (B, W + G) of accepted
         tokens per candidate (the drafter's beams first)."""
         self.acceptance.fade()
+        self.measured.fade()
         width = tree.beam_width if tree.beam_length > 1 else 0
         branches = runs[:, width : width + tree.lookup_branches]
         self._observe(runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length)
         index = self._index.get(tree)
-        if index is not None:
-            temperature = self._last[2]  # the last choice's rows: this step's
-            predicted = float(self.calibrated(batch_size, context, temperature)[index])
-            # The step's host work and anything else the calibration did not see ...
-            if self.candidates.plain[index]:
-                # A plain step that looked ahead launched the next one's forward, so
-                # its time can hold part of its neighbour's (the first of a stint
-                # long, the last short): only their average means something, so it
-                # is not clipped, and no plain factor is kept.
-                self.overhead[0] += 0.1 * (seconds - predicted - self.overhead[0])
-                if not self._after_plain:  # a stint of trees ended
-                    self._end_stint()
-                self._after_plain = True
-                return
-            self._learn_tree_step(index, seconds, predicted)
+        if index is None:
+            self._held = None
+            return
+        temperature = self._last[2]  # the last choice's rows: this step's
+        predicted = float(self.calibrated(batch_size, context, temperature)[index])
+        # The step's host work and anything else the calibration did not see ...
+        if self.candidates.plain[index]:
+            self._learn_plain_step(index, seconds - predicted)
+            return
+        self._learn_tree_step(index, seconds, predicted)
+
+    def _learn_plain_step(self, index: int, excess: float) -> None:
+        """Learn from a plain step's `excess` (seconds beyond its calibrated cost). A
+        plain step that looked ahead launched the next one's forward, so its time can
+        hold part of its neighbour's (the first of a stint long, the last short): only
+        their average means something, so it is not clipped, and no plain factor is
+        kept. Its excess is held until the next step is known: a plain step that
+        chose a tree for the next step built that tree's step functions
+        (`Session._look_ahead`) if it is the tree's first step in this session, and
+        then teaches nothing, as the session's first plain step does not."""
+        if not self._after_plain:  # a stint of trees ended
+            self._end_stint()
+        self._after_plain = True
+        self._held = None if self._start_step(index) else excess
+
+    def _start_step(self, index: int) -> bool:
+        """A step of candidate `index` runs: learn the held plain step's excess unless
+        this step is the first of its tree (or of plain decoding) in this session,
+        which may have been built by it; returns whether it is."""
+        held, self._held = self._held, None
+        first_use = index not in self._ran
+        self._ran.add(index)
+        if held is not None and not first_use:
+            self.measured.learn_excess(0, held)
+        return first_use
 
     def _learn_tree_step(self, index: int, seconds: float, predicted: float) -> None:
         """Learn from a tree step's time: the first step of a stint teaches the
@@ -734,16 +784,14 @@ class AutoTree:
         teaches nothing."""
         first_of_stint = self._after_plain
         self._after_plain, self._stint = False, 1 if first_of_stint else self._stint + 1
-        if index not in self._ran:
-            self._ran.add(index)
+        if self._start_step(index):
             return
-        if first_of_stint:
-            expected = (predicted + self.overhead[1]) * self.factor[index]
+        if first_of_stint:  # against what tree steps measure, not faded toward 0
+            expected = predicted + self.measured.excess[1]
             extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
             self.measured.entry += 0.2 * (extra - self.measured.entry)
             return
-        gap = max(seconds - predicted, -0.5 * predicted)
-        self.overhead[1] += 0.1 * (gap - self.overhead[1])
+        self.measured.learn_excess(1, max(seconds - predicted, -0.5 * predicted))
         # ... and what this tree's steps cost beyond that.
         ratio = min(max(seconds / (predicted + self.overhead[1]), 0.5), 3.0)
         self.measured.learn(index, ratio)
