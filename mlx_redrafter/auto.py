@@ -417,9 +417,7 @@ class MeasuredCosts:
         """A step of `kind` (0 plain, 1 trees) took `seconds` beyond its calibrated
         cost: the mean of such excesses while they are few, then a running one (a
         tenth of the weight on the newest step)."""
-        self.excess_steps[kind] += 1
-        rate = max(1.0 / self.excess_steps[kind], 0.1)
-        self.excess[kind] += rate * (seconds - self.excess[kind])
+        _update_mean(self.excess, self.excess_steps, kind, seconds, 0.1)
 
     @property
     def overhead(self) -> np.ndarray:
@@ -434,9 +432,7 @@ class MeasuredCosts:
         """One step of tree `index` took `ratio` times its prediction: its factor is
         the mean of its (faded) steps' ratios while they are few, then a running
         one (a fifth of the weight on the newest step)."""
-        self.steps[index] += 1
-        rate = max(1.0 / self.steps[index], 0.2)
-        self.own[index] += rate * (ratio - self.own[index])
+        _update_mean(self.own, self.steps, index, ratio, 0.2)
 
     def factors(self, pool: float = POOL_STEPS) -> np.ndarray:
         """(C,) the factor each tree's steps are priced at: its own, mixed with `pool`
@@ -451,6 +447,14 @@ class MeasuredCosts:
             raise ValueError(f"pool: a positive number of steps; got {pool}")
         pooled = (float(self.steps @ self.own) + pool) / (float(self.steps.sum()) + pool)
         return (self.steps * self.own + pool * pooled) / (self.steps + pool)
+
+
+def _update_mean(means: np.ndarray, steps: np.ndarray, i: int, value: float, floor: float) -> None:
+    """Add a step of `value` to entry `i` of (K,) `means` over (K,) faded `steps`: the
+    mean of its steps while they are few, then a running mean (`floor` of the weight
+    on the newest step)."""
+    steps[i] += 1
+    means[i] += max(1.0 / steps[i], floor) * (value - means[i])
 
 
 _MEASURED: PerModel[MeasuredCosts] = PerModel()
@@ -760,7 +764,7 @@ class AutoTree:
         kept. Its excess is held until the next step is known: a plain step that
         chose a tree for the next step built that tree's step functions
         (`Session._look_ahead`) if it is the tree's first step in this session, and
-        then teaches nothing, as the session's first plain step does not."""
+        then teaches nothing; nor does the session's first plain step."""
         if not self._after_plain:  # a stint of trees ended
             self._end_stint()
         self._after_plain = True
