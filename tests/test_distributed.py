@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import pytest
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+
+from ports import free_ports  # noqa: E402
 
 MAX_TOKENS = 24
 # A drafter-less tree, a drafter tree with a lookup branch, and the auto tree (its
@@ -108,7 +109,7 @@ def _launch(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess
         "MLX_REDRAFTER_CACHE": str(tmp_path / "cache"),
     }
     command = [str(LAUNCHER), "--backend", "ring", "-n", "2", "--starting-port"]
-    command += [str(_free_port()), *arguments]
+    command += [str(free_ports(2)), *arguments]
     # Its own process group: on a timeout (ranks stuck in a collective) every rank
     # is killed, not only the launcher.
     process = subprocess.Popen(
@@ -123,12 +124,6 @@ def _launch(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess
             f"the ranks did not finish within 300 s (stuck in a collective?)\n{stderr[-3000:]}"
         )
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # mlx.launch is installed next to this interpreter (a venv need not be on PATH).
@@ -231,7 +226,7 @@ def test_serve_on_a_pipeline_sharded_llama(tmp_path):
     prompts = [p for p in candidates if len(tokenizer.encode(replies[p])) >= 150][:3]
     assert len(prompts) == 3
     expected = [generate(model, None, tokenizer, p, max_tokens=12) for p in prompts]
-    port = _free_port()
+    port = free_ports(1)
     cli = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--model", str(folder)]
     cli += ["--shard", "pipeline", "--port", str(port), "--max-tokens", "12"]
     server = _start(cli, tmp_path)
@@ -252,7 +247,7 @@ def test_serve_on_a_pipeline_sharded_llama(tmp_path):
 def _start(arguments: list[str], tmp_path: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "MLX_REDRAFTER_CACHE": str(tmp_path / "cache")}
     command = [str(LAUNCHER), "--backend", "ring", "-n", "2", "--starting-port"]
-    command += [str(_free_port()), *arguments]
+    command += [str(free_ports(2)), *arguments]
     return subprocess.Popen(
         command, env=env, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True
     )

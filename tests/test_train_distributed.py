@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ import pytest
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+
+from ports import free_ports  # noqa: E402
 
 BATCH, MICRO = 8, 4  # global batch of 8 sequences: 2 micro-batches of 4
 
@@ -76,12 +77,6 @@ def _train_and_save(out: Path, group) -> None:
     (out / f"rank{rank}.loss").write_text(repr(report.train_loss))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _load(path: Path) -> dict[str, np.ndarray]:
     loaded = cast(dict[str, mx.array], mx.load(str(path)))
     return {k: np.array(v) for k, v in loaded.items()}
@@ -108,7 +103,7 @@ def test_two_ranks_match_one_process(tmp_path):
         "-n",
         "2",
         "--starting-port",
-        str(_free_port()),
+        str(free_ports(2)),
         sys.executable,
         str(Path(__file__).resolve()),
         str(multi),
