@@ -55,7 +55,9 @@ def test_mt_bench_greedy_is_identical_to_mlx_lm(smollm2, mt_bench):
     mx.random.seed(0)
     drafter = Drafter.create(model, draft_vocab_size=4096)  # random: tau ~ 1, still lossless
     beam = TreeConfig(beam_width=2, beam_length=3)
-    for prompt, reference in zip(prompts, references):
+    # Four turns: a random drafter's step is all misses, so each turn costs 128 full
+    # tree steps; the shipped drafter's test below covers all ten.
+    for prompt, reference in zip(prompts[:4], references[:4]):
         tokens = [
             t
             for r in stream_generate(
