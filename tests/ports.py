@@ -33,9 +33,11 @@ def _is_free(port: int) -> bool:
 
 def free_ports(count: int = 1) -> int:
     """The first of `count` consecutive free ports below the ephemeral range."""
-    high = min(_ephemeral_start(), 32768) - count
+    low, high = 10000, min(_ephemeral_start(), 32768) - count
+    if high - low < 1000:  # an unusual ephemeral range: any checked block will do
+        high = 65000 - count
     for _ in range(200):
-        start = random.randrange(10000, high)
+        start = random.randrange(low, high)
         if all(_is_free(start + i) for i in range(count)):
             return start
-    raise RuntimeError(f"no {count} consecutive free ports between 10000 and {high}")
+    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")
