@@ -635,7 +635,6 @@ def test_one_token_prompts_join_a_running_batch(trained_llama: Any) -> None:
 
 def test_the_serve_command(trained_llama: Any, tmp_path: Any) -> None:
     """`mlx-redrafter serve` on model and drafter folders: loopback, the page, a reply."""
-    import socket
     import subprocess
     import sys
 
@@ -643,9 +642,9 @@ def test_the_serve_command(trained_llama: Any, tmp_path: Any) -> None:
 
     model, drafter, prompts = trained_llama
     model_dir, drafter_dir = save_tiny(model, drafter, tmp_path)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from ports import free_ports
+
+    port = free_ports(1)
     argv = [sys.executable, "-m", "mlx_redrafter.cli", "serve", "--model", str(model_dir)]
     argv += ["--drafter", str(drafter_dir), "--port", str(port), "--tree", "2:3x3"]
     process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
