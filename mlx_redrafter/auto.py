@@ -424,7 +424,7 @@ class MeasuredCosts:
         """(plain, trees) the seconds beyond the calibrated cost their steps are priced
         at: the measured excess, shrunk toward the calibration's 0 by `POOL_STEPS`
         steps' worth (one step's excess is a fifth of it, not all); read-only."""
-        priced = self.excess * self.excess_steps / (self.excess_steps + POOL_STEPS)
+        priced = _with_prior(self.excess, self.excess_steps, 0.0, POOL_STEPS)
         priced.setflags(write=False)
         return priced
 
@@ -446,7 +446,12 @@ class MeasuredCosts:
         if pool <= 0:
             raise ValueError(f"pool: a positive number of steps; got {pool}")
         pooled = (float(self.steps @ self.own) + pool) / (float(self.steps.sum()) + pool)
-        return (self.steps * self.own + pool * pooled) / (self.steps + pool)
+        return _with_prior(self.own, self.steps, pooled, pool)
+
+
+def _with_prior(means: np.ndarray, steps: np.ndarray, prior: float, pool: float) -> np.ndarray:
+    """(K,) `means` over (K,) `steps` each, mixed with `pool` steps' worth of `prior`."""
+    return (steps * means + pool * prior) / (steps + pool)
 
 
 def _update_mean(means: np.ndarray, steps: np.ndarray, i: int, value: float, floor: float) -> None:
