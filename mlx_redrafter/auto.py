@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import mlx.nn as nn
 import numpy as np
@@ -111,6 +112,18 @@ class Candidates:
         """(C,) whether each candidate is plain decoding (the root alone)."""
         return self.packed == 1
 
+    @cached_property
+    def beam_lengths(self) -> tuple[int, ...]:
+        """The beam lengths of its drafter trees, ascending ((1,) without any): the
+        acceptance of drafter beams is kept per beam length, one plane each."""
+        return tuple(sorted({int(n) for n in self.length[self.width > 0]})) or (1,)
+
+    @cached_property
+    def plane(self) -> np.ndarray:
+        """(C,) each candidate's plane of acceptance (`beam_lengths`; trees without
+        drafter beams read plane 0, whose lookup cells every plane shares)."""
+        return plane_of(self.beam_lengths, self.length)
+
     @classmethod
     def of(cls, trees: Sequence[TreeConfig]) -> Candidates:
         def column(values: list[int]) -> np.ndarray:
@@ -149,6 +162,13 @@ def candidate_trees(
 
 
 # -- acceptance ----------------------------------------------------------------------
+
+
+def plane_of(lengths: Sequence[int], length: np.ndarray) -> np.ndarray:
+    """(C,) the plane of beams of `length` (C,) tokens among planes of ascending beam
+    `lengths` (P,): its own, or the next longer one (the last for longer beams)."""
+    index = np.searchsorted(np.asarray(lengths), length)
+    return np.minimum(index, len(lengths) - 1)
 
 
 def _prior_rows(rows: Sequence[Sequence[float]], count: int, depth: int) -> np.ndarray:
@@ -195,14 +215,58 @@ def prior_cube(
     return cube
 
 
-def _cube(table: AcceptanceTable, kinds: tuple[int, int], builtin: AcceptanceTable) -> np.ndarray:
-    """The prior cube of a drafter's (or the built-in) table for (Kw, Kg) candidates:
-    lookup rows from `builtin` (measured at the same temperature) where the table has
-    none, and capped by them for branches alone."""
+def prior_planes(
+    table: AcceptanceTable,
+    lengths: Sequence[int],
+    kinds: tuple[int, int],
+    depth: int,
+    alone: Sequence[Sequence[float]] = (),
+) -> np.ndarray:
+    """(P, Kw + 1, Kg + 1, D) `prior_cube` of beams of each of `lengths` (P,) tokens
+    for (Kw, Kg) = `kinds` candidates: from the table measured with that beam length
+    (`AcceptanceTable.by_length`), interpolated linearly between the two measured
+    lengths around it, or the nearest measured one beyond them. Lookup branches
+    alone (k = 0) are the table's own in every plane: they have no beam length."""
+    main = prior_cube(table, kinds[0], kinds[1], depth, alone)  # (Kw + 1, Kg + 1, D)
+    measured = {
+        length: prior_cube(replace(t, lookup=table.lookup), kinds[0], kinds[1], depth, alone)
+        for length, t in table.beams_by_length().items()
+    }
+    if not measured:
+        return np.stack([main] * len(lengths))  # (P, Kw + 1, Kg + 1, D)
+    planes = np.stack([_at_length(measured, n) for n in lengths])  # (P, Kw + 1, Kg + 1, D)
+    planes[:, 0] = main[0]
+    return planes
+
+
+def _at_length(cubes: dict[int, np.ndarray], length: int) -> np.ndarray:
+    """The cube (Kw + 1, Kg + 1, D) of beams of `length` tokens from `cubes` of that
+    shape measured at other beam lengths (their keys)."""
+    below = [n for n in sorted(cubes) if n <= length]
+    above = [n for n in sorted(cubes) if n >= length]
+    if not below or not above:
+        return cubes[(above or below)[0 if above else -1]]
+    low, high = below[-1], above[0]
+    if low == high:
+        return cubes[low]
+    share = (length - low) / (high - low)
+    return (1 - share) * cubes[low] + share * cubes[high]
+
+
+def _table_planes(
+    table: AcceptanceTable,
+    kinds: tuple[int, int],
+    builtin: AcceptanceTable,
+    lengths: Sequence[int],
+) -> np.ndarray:
+    """The prior planes (P, Kw + 1, Kg + 1, D) of a drafter's (or the built-in) table
+    for (Kw, Kg) candidates and beams of `lengths`: lookup rows from `builtin`
+    (measured at the same temperature) where the table has none, and capped by them
+    for branches alone."""
     if not table.lookup:
         table = replace(table, lookup=builtin.lookup)
     alone = builtin.lookup if table.beams else ()
-    return prior_cube(table, kinds[0], kinds[1], DEPTH, alone)
+    return prior_planes(table, lengths, kinds, DEPTH, alone)
 
 
 def rates(survival: np.ndarray) -> np.ndarray:
@@ -212,15 +276,26 @@ def rates(survival: np.ndarray) -> np.ndarray:
 
 
 class AcceptanceEstimate:
-    """Running acceptance of a step's candidates: for the best of the first k drafter
-    beams and first g lookup branches, and depth d, the steps that reached depth
-    d - 1 and those that went on to accept token d. Counts fade by `decay` each step,
-    and `strength` steps' worth of the prior's rates are mixed in.
+    """Running acceptance of a step's candidates: for beams of each of `lengths`
+    tokens, the best of the first k drafter beams and first g lookup branches, and
+    depth d, the steps that reached depth d - 1 and those that went on to accept
+    token d. Counts fade by `decay` each step, and `strength` steps' worth of the
+    prior's rates are mixed in. Lookup branches alone (k = 0) have no beam length:
+    every plane holds the same counts for them.
 
-    prior: (Kw + 1, Kg + 1, D) survival (`prior_cube`).
+    prior: (P, Kw + 1, Kg + 1, D) survival (`prior_planes`), one plane per length.
     """
 
-    def __init__(self, prior: np.ndarray, strength: float = 8.0, decay: float = 0.995):
+    def __init__(
+        self,
+        prior: np.ndarray,
+        lengths: Sequence[int],
+        strength: float = 8.0,
+        decay: float = 0.995,
+    ):
+        if prior.ndim != 4 or prior.shape[0] != len(lengths):
+            raise ValueError(f"prior: (P, Kw + 1, Kg + 1, D) for P={len(lengths)} beam lengths")
+        self.lengths = tuple(lengths)
         self.prior_rate = rates(prior)
         self.strength, self.decay = strength, decay
         self.reached: np.ndarray = np.zeros(prior.shape)
@@ -235,8 +310,9 @@ class AcceptanceEstimate:
     ) -> None:
         """One step: beam_runs (B, W) and branch_runs (B, G), the drafted tokens each
         candidate had accepted, ranked best first within each kind; length and
-        branch_length: tokens per beam and per branch (the depths verified)."""
-        beams, branches, depth = (int(n) for n in self.reached.shape)
+        branch_length: tokens per beam and per branch (the depths verified; length
+        also picks the plane the beams' cells are counted in)."""
+        _, beams, branches, depth = (int(n) for n in self.reached.shape)
         w, g = min(beam_runs.shape[1], beams - 1), min(branch_runs.shape[1], branches - 1)
         if w + g == 0:
             return
@@ -253,11 +329,14 @@ class AcceptanceEstimate:
         seen = depths[None, None, :] <= reach[:, :, None]  # (w+1, g+1, D)
         alive = best[..., None] >= depths - 1  # (B, w+1, g+1, D)
         passed = best[..., None] >= depths
-        self.reached[: w + 1, : g + 1] += np.sum(alive, axis=0) * seen
-        self.passed[: w + 1, : g + 1] += np.sum(passed, axis=0) * seen
+        plane = int(plane_of(self.lengths, np.array([length]))[0])
+        for counts, hits in ((self.reached, alive), (self.passed, passed)):
+            cells = np.sum(hits, axis=0) * seen  # (w+1, g+1, D)
+            counts[:, 0, : g + 1] += cells[0]  # lookup branches alone: every plane
+            counts[plane, 1 : w + 1, : g + 1] += cells[1:]
 
     def survival(self, prior_rate: np.ndarray | None = None) -> np.ndarray:
-        """(Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens),
+        """(P, Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens),
         from the counts and the prior's rates (`prior_rate`: others of that shape).
 
         The prior's rates are first scaled down by how the observed steps fall short
@@ -270,32 +349,39 @@ class AcceptanceEstimate:
         their own counts. Each kind is scaled by its own observations: trees with
         drafter beams (k >= 1) by theirs, lookup branches alone (k = 0) by theirs, so
         that lookup branches checked in hindsight neither hold back nor raise the
-        drafter's estimate."""
+        drafter's estimate. Beams of every length share their scale: what one length
+        shows of the text holds the others back too."""
         weight = self.strength
         prior_rate = self.prior_rate if prior_rate is None else prior_rate
-        scale = np.ones(prior_rate.shape[0])  # (Kw + 1,)
-        for rows in (slice(0, 1), slice(1, None)):
-            predicted = float(np.sum(self.reached[rows] * prior_rate[rows]))
-            observed = (float(np.sum(self.passed[rows])) + weight) / (predicted + weight)
+        scale = np.ones(prior_rate.shape[1])  # (Kw + 1,)
+        # Lookup branches alone from one plane (every plane holds their counts), beams
+        # from all.
+        for kept, rows in ((slice(0, 1), slice(0, 1)), (slice(None), slice(1, None))):
+            cells = (kept, rows)
+            predicted = float(np.sum(self.reached[cells] * prior_rate[cells]))
+            observed = (float(np.sum(self.passed[cells])) + weight) / (predicted + weight)
             scale[rows] = min(observed, 1.0)
         prior = np.clip(prior_rate * scale[:, None, None], 0.0, 1.0)
         rate = (self.passed + weight * prior) / (self.reached + weight)
-        cube = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)
-        cube[0, 0] = 0.0
-        return cube
+        planes = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)  # (P, Kw + 1, Kg + 1, D)
+        planes[:, 0, 0] = 0.0
+        return planes
 
 
-def expected_tokens(candidates: Candidates, cube: np.ndarray) -> np.ndarray:
-    """(C,) expected tokens per step of each candidate from the survival cube
-    (Kw + 1, Kg + 1, D): at depth d the beams count while d < L, the branches while
-    d < Ll."""
-    beams, branches, depth = cube.shape
+def expected_tokens(candidates: Candidates, planes: np.ndarray) -> np.ndarray:
+    """(C,) expected tokens per step of each candidate from the survival planes
+    (P, Kw + 1, Kg + 1, D), one per beam length (`Candidates.beam_lengths`): each
+    candidate reads its beam length's plane; at depth d its beams count while d < L,
+    its branches while d < Ll."""
+    count_planes, beams, branches, depth = planes.shape
+    if count_planes != len(candidates.beam_lengths):
+        raise ValueError(f"cube: {len(candidates.beam_lengths)} planes, one per beam length")
     d = np.arange(1, depth + 1)[None, :]  # (1, D)
     width = np.minimum(candidates.width, beams - 1)[:, None]  # (C, 1)
     count = np.minimum(candidates.branches, branches - 1)[:, None]
     k = np.where(d < candidates.length[:, None], width, 0)  # (C, D)
     g = np.where(d < candidates.branch_length[:, None], count, 0)  # (C, D)
-    return 1.0 + np.sum(cube[k, g, d - 1], axis=1)
+    return 1.0 + np.sum(planes[candidates.plane[:, None], k, g, d - 1], axis=1)
 
 
 def step_seconds(
@@ -323,11 +409,15 @@ def context_band(context: int) -> int:
     return max(64, 1 << max(context - 1, 1).bit_length())
 
 
-def prior_cubes(
-    prior: AcceptanceTable, sampled_prior: AcceptanceTable | None, kinds: tuple[int, int]
+def greedy_and_sampled_planes(
+    prior: AcceptanceTable,
+    sampled_prior: AcceptanceTable | None,
+    kinds: tuple[int, int],
+    lengths: Sequence[int],
 ) -> tuple[tuple[np.ndarray, np.ndarray], float, bool]:
-    """The prior survival cubes (Kw + 1, Kg + 1, D) of greedy and of sampled steps for
-    (Kw, Kg) = `kinds` candidates, the temperature the sampled one was measured at,
+    """The prior survival planes (P, Kw + 1, Kg + 1, D) of greedy and of sampled steps
+    for (Kw, Kg) = `kinds` candidates and beams of `lengths` (P,), the temperature
+    the sampled one was measured at,
     and whether the drafter's beams have a table measured sampling (a drafter
     without one: its beams as measured greedily, not trusted, and the built-in
     lookup rows measured sampling)."""
@@ -335,9 +425,10 @@ def prior_cubes(
     if sampled_prior is not None and sampled_prior.temperature <= 0:
         raise ValueError("sampled_prior: give a table measured sampling (temperature > 0)")
     if sampled_prior is None:
-        sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0)
-    greedy = _cube(prior, kinds, LOOKUP_PRIOR)
-    sampled = _cube(sampled_prior, kinds, LOOKUP_SAMPLED)
+        beams_only = tuple(replace(t, joint=()) for t in prior.by_length)
+        sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0, by_length=beams_only)
+    greedy = _table_planes(prior, kinds, LOOKUP_PRIOR, lengths)
+    sampled = _table_planes(sampled_prior, kinds, LOOKUP_SAMPLED, lengths)
     return (greedy, sampled), sampled_prior.temperature, beams_measured
 
 
@@ -494,13 +585,14 @@ class AutoTree:
     ):
         self.calibration, self.candidates = calibration, candidates
         kinds = (int(candidates.width.max()), int(candidates.branches.max()))
-        self._cubes, self._sampled_at, self._beams_measured = prior_cubes(
-            prior, sampled_prior, kinds
+        lengths = candidates.beam_lengths
+        self._planes, self._sampled_at, self._beams_measured = greedy_and_sampled_planes(
+            prior, sampled_prior, kinds, lengths
         )
         self._priors: dict[float, tuple[np.ndarray, np.ndarray]] = {}  # share -> rates, tokens
         # Running acceptance of greedy steps and, apart, of steps where some row
         # samples: a sample accepts a drafted token less often than an argmax does.
-        self.estimates = (AcceptanceEstimate(self._cubes[0]), AcceptanceEstimate(self._cubes[1]))
+        self.estimates = tuple(AcceptanceEstimate(planes, lengths) for planes in self._planes)
         self._beam_evidence = 0.0  # drafter beams seen by sampled steps (row-steps)
         self.measured = measured if measured is not None else MeasuredCosts(len(candidates.trees))
         if len(self.measured.own) != len(candidates.trees):
@@ -607,7 +699,7 @@ class AutoTree:
         return speeds
 
     def prior(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-        """The prior of steps at `temperature`: its rates (Kw + 1, Kg + 1, D) and the
+        """The prior of steps at `temperature`: its rates (P, Kw + 1, Kg + 1, D) and the
         expected tokens (C,) of every candidate. Greedy steps take the greedy table,
         steps at or above the sampled table's temperature that table, and steps in
         between the two mixed, the sampled one's share growing with the square root
@@ -616,8 +708,8 @@ class AutoTree:
         docs/auto-tree.md)."""
         share = round(min(max(temperature, 0.0) / self._sampled_at, 1.0) ** 0.5, 2)
         if share not in self._priors:
-            greedy, sampled = self._cubes
-            mixed = (1 - share) * greedy + share * sampled  # (Kw + 1, Kg + 1, D)
+            greedy, sampled = self._planes
+            mixed = (1 - share) * greedy + share * sampled  # (P, Kw + 1, Kg + 1, D)
             self._priors[share] = (rates(mixed), expected_tokens(self.candidates, mixed))
         return self._priors[share]
 

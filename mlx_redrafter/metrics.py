@@ -110,6 +110,12 @@ class AcceptanceTable:
         accepts less than if they were independent.
     temperature: the sampling temperature it was measured at (0: greedy); steps: the
     steps it was measured on; source: the prompts and tree it was measured with.
+    by_length: the beams (and joint) of the same drafter measured on the same prompts
+    with trees of other beam lengths L, one table each. A beam's length is what beam
+    search ranks it by: longer beams keep fewer distinct first tokens (eight beams of
+    7 tokens start with about two), so the first levels of short, wide trees accept
+    more than the rows of a long tree say. A table's beam length is its rows' depth
+    plus one (`beam_length`).
     """
 
     beams: tuple[tuple[float, ...], ...] = ()
@@ -118,9 +124,22 @@ class AcceptanceTable:
     temperature: float = 0.0
     steps: int = 0
     source: str = ""
+    by_length: tuple[AcceptanceTable, ...] = ()
+
+    @property
+    def beam_length(self) -> int:
+        """L of the tree the beams were measured with (0: no beams)."""
+        return len(self.beams[0]) + 1 if self.beams else 0
+
+    def beams_by_length(self) -> dict[int, AcceptanceTable]:
+        """Beam length L -> the table measured with beams of L tokens, this one included."""
+        tables = {t.beam_length: t for t in self.by_length if t.beams}
+        if self.beams:
+            tables[self.beam_length] = self
+        return dict(sorted(tables.items()))
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        data: dict[str, object] = {
             "beams": [list(row) for row in self.beams],
             "lookup": [list(row) for row in self.lookup],
             "joint": [[list(row) for row in rows] for rows in self.joint],
@@ -128,6 +147,9 @@ class AcceptanceTable:
             "steps": self.steps,
             "source": self.source,
         }
+        if self.by_length:
+            data["by_length"] = [t.to_dict() for t in self.by_length]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> AcceptanceTable:
@@ -150,7 +172,22 @@ class AcceptanceTable:
         if not isinstance(temperature, (int, float)) or not isinstance(steps, int):
             raise ValueError("acceptance table: temperature must be a number, steps an integer")
         source = str(data.get("source", ""))
-        return cls(rows("beams"), rows("lookup"), cube, float(temperature), steps, source)
+        others = data.get("by_length", [])
+        if not isinstance(others, list) or not all(isinstance(t, dict) for t in others):
+            raise ValueError("acceptance table: 'by_length' must be a list of tables")
+        by_length = tuple(cls.from_dict(t) for t in others)
+        lengths = [t.beam_length for t in by_length]
+        if any(t.by_length or not t.beams for t in by_length) or len(set(lengths)) < len(lengths):
+            raise ValueError(
+                "acceptance table: 'by_length' holds tables of drafter beams, one per beam "
+                "length, without tables of their own"
+            )
+        beams = rows("beams")
+        if any(len(row) != len(beams[0]) for row in beams):
+            raise ValueError("acceptance table: every row of 'beams' must have the same depth")
+        if any(t.temperature != temperature for t in by_length):
+            raise ValueError("acceptance table: 'by_length' tables are measured at its temperature")
+        return cls(beams, rows("lookup"), cube, float(temperature), steps, source, by_length)
 
 
 def survival(runs: Sequence[Sequence[int]], depth: int) -> tuple[tuple[float, ...], ...]:

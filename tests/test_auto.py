@@ -18,6 +18,7 @@ from mlx_redrafter.auto import (
     LOOKUP_PRIOR,
     LOOKUP_SAMPLED,
     POOL_STEPS,
+    PROBE_LENGTH,
     STEP_FADE,
     AcceptanceEstimate,
     AutoTree,
@@ -25,7 +26,9 @@ from mlx_redrafter.auto import (
     MeasuredCosts,
     candidate_trees,
     expected_tokens,
+    plane_of,
     prior_cube,
+    prior_planes,
     rates,
 )
 from mlx_redrafter.calibrate import (
@@ -64,6 +67,11 @@ GOOD_DRAFTER = AcceptanceTable(
 
 def auto_tree(calibration: Calibration, prior=GOOD_DRAFTER, has_drafter=True) -> AutoTree:
     return AutoTree(calibration, candidate_trees(has_drafter), prior)
+
+
+def plane(auto: AutoTree, length: int) -> int:
+    """The auto tree's plane of acceptance for beams of `length` tokens."""
+    return int(plane_of(auto.candidates.beam_lengths, np.array([length]))[0])
 
 
 # -- the choice -----------------------------------------------------------------------
@@ -171,14 +179,69 @@ def test_expected_tokens_from_the_joint_acceptance():
     trees = [PLAIN_DECODING, TreeConfig(1, 3), TreeConfig(1, 2, lookup_branches=1, lookup_length=3)]
     candidates = Candidates.of(trees)
     table = AcceptanceTable(beams=((0.5, 0.25),), lookup=((0.4, 0.2),))
-    independent = expected_tokens(candidates, prior_cube(table, 1, 1, 2))
+    planes = prior_planes(table, candidates.beam_lengths, (1, 1), 2)
+    independent = expected_tokens(candidates, planes)
     # 1x2+1x3: depth 1 from either (1 - 0.5 * 0.6), depth 2 from the branch alone.
     assert independent.tolist() == pytest.approx([1.0, 1.75, 1.0 + 0.7 + 0.2])
     # Measured together, the union accepts less: the kinds often propose the same token.
     joint = replace(table, joint=(((0, 0), (0.4, 0.2)), ((0.5, 0.25), (0.55, 0.3))))
-    assert expected_tokens(candidates, prior_cube(joint, 1, 1, 2)).tolist() == pytest.approx(
+    planes = prior_planes(joint, candidates.beam_lengths, (1, 1), 2)
+    assert expected_tokens(candidates, planes).tolist() == pytest.approx(
         [1.0, 1.75, 1.0 + 0.55 + 0.2]
     )
+
+
+def test_each_beam_length_reads_the_acceptance_measured_with_it():
+    """Beam search keeps fewer distinct first tokens the longer its beams: a table
+    measured with beams of 2 tokens rates the first level of W x 2 trees; lengths
+    between two measured ones are interpolated, longer ones take the longest."""
+    long = ((0.3, 0.2, 0.1),) * 4  # beams of 4 tokens: the first level collapses
+    short = AcceptanceTable(beams=((0.3,), (0.5,), (0.6,), (0.7,)), steps=5)
+    table = AcceptanceTable(beams=long, lookup=((0.1, 0.05),), by_length=(short,))
+    assert table.beam_length == 4 and list(table.beams_by_length()) == [2, 4]
+    assert AcceptanceTable.from_dict(table.to_dict()) == table
+    trees = [PLAIN_DECODING, *(TreeConfig(4, n) for n in (2, 3, 4, 6))]
+    candidates = Candidates.of(trees)
+    assert candidates.beam_lengths == (2, 3, 4, 6)
+    planes = prior_planes(table, candidates.beam_lengths, (4, 1), 3)  # (4, 5, 2, 3)
+    assert planes[:, 4, 0, 0].tolist() == pytest.approx([0.7, 0.5, 0.3, 0.3])
+    assert planes[:, 1, 0, 0].tolist() == pytest.approx([0.3] * 4)
+    assert np.all(planes[:, 0] == planes[2, 0])  # lookup branches alone: one row
+    tokens = expected_tokens(candidates, planes)
+    assert tokens[1] == pytest.approx(1.7)  # 4x2: its own plane, not the 4-token one's 0.3
+    assert tokens[3] == pytest.approx(1.6) and np.all(planes[3] == planes[2])
+    auto = auto_tree(synthetic(lambda n: 0.010 * (1 + 0.02 * (n - 1))), table)
+    assert auto.prior(0.0)[1][auto._index[TreeConfig(4, 2)]] == pytest.approx(1.7)
+    # Steps of 4x2 teach the plane of length 2; others learn only the shared scale.
+    auto.choose(1)
+    auto.record(TreeConfig(4, 2), 1, 0.01, np.ones((1, 4), dtype=int), 0)
+    reached = auto.acceptance.reached[:, 1:].sum(axis=(1, 2, 3))
+    assert reached[plane(auto, 2)] > 0 and reached.sum() == reached[plane(auto, 2)]
+    bad = (
+        [[0.5]],  # not a table
+        [short.to_dict(), short.to_dict()],  # one length twice
+        [table.to_dict()],  # a table of its own
+        [replace(short, temperature=1.0).to_dict()],  # another temperature
+    )
+    for by_length in bad:
+        with pytest.raises(ValueError, match="by_length"):
+            AcceptanceTable.from_dict({**table.to_dict(), "by_length": by_length})
+
+
+def test_lookup_branches_alone_learn_alike_whatever_the_planes():
+    """Lookup-only cells are counted in every plane of beam length: their estimate
+    is the same with one plane or six (not six times as sure)."""
+    table = AcceptanceTable(beams=((0.5, 0.25, 0.125),), lookup=((0.3, 0.1, 0.05),))
+    cube = prior_cube(table, 1, 1, 3)  # (2, 2, 3)
+    one, six = (
+        AcceptanceEstimate(cube[None], (2,)),
+        AcceptanceEstimate(np.stack([cube] * 6), range(2, 8)),
+    )
+    for estimate in (one, six):
+        for _ in range(4):
+            estimate.observe(np.zeros((1, 0), dtype=int), np.zeros((1, 1), dtype=int), 1, 4)
+    assert six.survival()[:, 0] == pytest.approx(np.stack([one.survival()[0, 0]] * 6))
+    assert one.survival()[0, 0, 1, 0] < cube[0, 1, 0]
 
 
 # -- the running estimate ---------------------------------------------------------------
@@ -190,28 +253,28 @@ def test_lookup_branches_alone_are_not_credited_with_the_drafters_beam():
     prior where it is lower, and trees with beams keep the table's joint cells."""
     auto = auto_tree(synthetic(lambda n: 0.010), GOOD_DRAFTER)
     cube = prior_cube(GOOD_DRAFTER, 8, 4, DEPTH)
-    capped = auto.acceptance.survival()
+    capped = auto.acceptance.survival()[-1]  # beams of 7 tokens, as the table measured
     assert capped[0, 1, 0] == pytest.approx(min(0.2, LOOKUP_PRIOR.lookup[0][0]))
     assert np.all(capped[0, 1:] <= cube[0, 1:] + 1e-9)
-    assert capped[1:] == pytest.approx(AcceptanceEstimate(cube).survival()[1:])
+    assert capped[1:] == pytest.approx(AcceptanceEstimate(cube[None], (7,)).survival()[0, 1:])
     alone = AutoTree(synthetic(lambda n: 0.010), candidate_trees(False), LOOKUP_PRIOR)
-    assert alone.acceptance.survival()[0, 1, 0] == pytest.approx(LOOKUP_PRIOR.lookup[0][0])
+    assert alone.acceptance.survival()[0, 0, 1, 0] == pytest.approx(LOOKUP_PRIOR.lookup[0][0])
 
 
 def test_the_estimate_follows_what_it_observes():
     table = AcceptanceTable(beams=((0.5, 0.25, 0.125),), lookup=((0.3, 0.1, 0.05),))
-    estimate = AcceptanceEstimate(prior_cube(table, 1, 1, 3))
+    estimate = AcceptanceEstimate(prior_cube(table, 1, 1, 3)[None], (4,))
     none = np.zeros((4, 0), dtype=int)
     for _ in range(50):
         estimate.fade()
         estimate.observe(np.full((4, 1), 3), none, 4, 1)  # every beam accepts all 3
     # About 176 row-steps observed against the prior's 8: close to all accepted.
-    assert estimate.survival()[1, 0] == pytest.approx([1, 1, 1], abs=0.07)
-    assert estimate.survival()[1, 0, 0] > 0.97
+    assert estimate.survival()[0, 1, 0] == pytest.approx([1, 1, 1], abs=0.07)
+    assert estimate.survival()[0, 1, 0, 0] > 0.97
     for _ in range(400):
         estimate.fade()
         estimate.observe(np.zeros((4, 1), dtype=int), np.zeros((4, 1), dtype=int), 4, 4)
-    cube = estimate.survival()
+    cube = estimate.survival()[0]
     assert cube[1, 0, 0] < 0.05 and cube[0, 1, 0] < 0.05 and cube[1, 1, 0] < 0.05
     assert cube[0, 0].tolist() == [0, 0, 0]
 
@@ -222,24 +285,27 @@ def test_lucky_steps_do_not_raise_the_depths_they_did_not_observe():
     compound into tokens no step has shown."""
     table = AcceptanceTable(beams=((0.5, 0.25, 0.125),))
     cube = prior_cube(table, 1, 0, 3)  # (2, 1, 3)
-    estimate = AcceptanceEstimate(cube)
+    estimate = AcceptanceEstimate(cube[None], (2,))
     none = np.zeros((1, 0), dtype=int)
     for _ in range(4):
         estimate.observe(np.ones((1, 1), dtype=int), none, 2, 1)
-    after = estimate.survival()
+    after = estimate.survival()[0]
     assert after[1, 0, 0] > cube[1, 0, 0]
     assert rates(after)[1, 0, 1:] == pytest.approx(rates(cube)[1, 0, 1:])
 
 
 def test_a_step_is_observed_only_as_deep_as_its_candidates_reach():
     table = AcceptanceTable(beams=((0.5, 0.25, 0.125),), lookup=((0.3, 0.1, 0.05),))
-    estimate = AcceptanceEstimate(prior_cube(table, 1, 1, 3))
+    cube = prior_cube(table, 1, 1, 3)
+    estimate = AcceptanceEstimate(np.stack([cube, cube]), (2, 4))
     # A beam of 2 tokens (depth 1) and a branch of 4 tokens (depths 1-3).
     estimate.observe(np.array([[1]]), np.array([[3]]), 2, 4)
-    assert estimate.reached[1, 0].tolist() == [1, 0, 0]  # the beam alone: depth 1
-    assert estimate.reached[0, 1].tolist() == [1, 1, 1]  # the branch alone: all three
-    assert estimate.reached[1, 1].tolist() == [1, 0, 0]  # together: as deep as both reach
-    assert estimate.passed[1, 1].tolist() == [1, 0, 0]
+    assert estimate.reached[0, 1, 0].tolist() == [1, 0, 0]  # the beam alone: depth 1
+    assert estimate.reached[0, 0, 1].tolist() == [1, 1, 1]  # the branch alone: all three
+    assert estimate.reached[0, 1, 1].tolist() == [1, 0, 0]  # together: as deep as both reach
+    assert estimate.passed[0, 1, 1].tolist() == [1, 0, 0]
+    # Beams are counted in the plane of their length; branches alone in every plane.
+    assert estimate.reached[1, 1].sum() == 0 and estimate.reached[1, 0, 1].tolist() == [1, 1, 1]
 
 
 def steps_where_nothing_is_accepted(auto: AutoTree, in_hindsight: bool) -> list[TreeConfig]:
@@ -315,7 +381,8 @@ def test_drafter_acceptance_is_learned_from_probes_while_decoding_plainly():
     probed, unprobed = auto_tree(curve), auto_tree(curve)
     for auto in (probed, unprobed):
         steps_where_nothing_is_accepted(auto, in_hindsight=True)
-    before = probed.acceptance.survival()[1, 0, 0]
+    probed_plane = plane(probed, PROBE_LENGTH)
+    before = probed.acceptance.survival()[probed_plane, 1, 0, 0]
     first_drafted = {}
     for name, auto in (("probed", probed), ("unprobed", unprobed)):
         for step in range(24):  # text the drafter guesses: every drafted token accepted
@@ -328,7 +395,7 @@ def test_drafter_acceptance_is_learned_from_probes_while_decoding_plainly():
             if probe is not None and name == "probed":
                 width, length = probe.beam_width, probe.beam_length
                 auto.record_probe(np.full((1, width), length - 1), probe)
-    assert probed.acceptance.survival()[1, 0, 0] > before + 0.3
+    assert probed.acceptance.survival()[probed_plane, 1, 0, 0] > before + 0.3
     assert first_drafted["probed"] < first_drafted.get("unprobed", 24)
 
 
@@ -399,7 +466,7 @@ def test_sampled_steps_trust_a_greedy_drafter_table_only_after_seeing_its_beams(
         tree = auto.choose(3, temperature=1.0)
         assert (tree.beam_width >= 1 and tree.beam_length > 1) == drafts
         assert auto.estimates[0].survival() == pytest.approx(greedy)
-        assert auto.estimates[1].reached[1:3, 0, 0].sum() == pytest.approx(16, rel=0.05)
+        assert auto.estimates[1].reached[:, 1:3, 0, 0].sum() == pytest.approx(16, rel=0.05)
     measured = replace(GOOD_DRAFTER, temperature=1.0)  # a prior measured sampling: no wait
     flat = AutoTree(synthetic(lambda n: 0.010), candidate_trees(True), GOOD_DRAFTER, measured)
     assert flat.choose(1, temperature=1.0).beam_width
@@ -417,11 +484,11 @@ def test_sampled_steps_start_from_the_table_measured_at_their_temperature():
     with pytest.raises(ValueError, match="measured sampling"):
         AutoTree(curve, candidate_trees(True), GOOD_DRAFTER, GOOD_DRAFTER)  # a greedy table
     at_one = auto.estimates[1].survival(auto.prior(1.0)[0])
-    assert at_one[1, 0, 0] == pytest.approx(sampled[1, 0, 0])
+    assert at_one[0, 1, 0, 0] == pytest.approx(sampled[1, 0, 0])
     half = (greedy[1, 0, 0] + sampled[1, 0, 0]) / 2  # at 0.25: a share of √0.25
     rate, _ = auto.prior(0.25)
-    assert auto.estimates[1].survival(rate)[1, 0, 0] == pytest.approx(half)
-    assert auto.estimates[0].survival()[1, 0, 0] == pytest.approx(greedy[1, 0, 0])
+    assert auto.estimates[1].survival(rate)[0, 1, 0, 0] == pytest.approx(half)
+    assert auto.estimates[0].survival()[0, 1, 0, 0] == pytest.approx(greedy[1, 0, 0])
 
 
 def test_a_tree_whose_steps_cost_more_than_other_trees_gives_way():
@@ -966,8 +1033,8 @@ def test_a_drafter_keeps_its_acceptance_table(trained_llama, tmp_path, calibrati
     assert (loaded.acceptance, loaded.sampled_acceptance) == (table, sampled)
     auto = AutoTree.for_model(trained_llama[0], loaded)
     rate, _ = auto.prior(1.0)  # the sampled steps' prior: the sampled table
-    assert auto.estimates[1].survival(rate)[1, 0, 0] == pytest.approx(0.3)
-    assert auto.estimates[0].survival()[1, 0, 0] == pytest.approx(0.5)
+    assert auto.estimates[1].survival(rate)[0, 1, 0, 0] == pytest.approx(0.3)
+    assert auto.estimates[0].survival()[0, 1, 0, 0] == pytest.approx(0.5)
     # A folder whose only table was measured sampling, kept as acceptance.json (as
     # measure-acceptance --write once wrote it), still loads: as the sampled table.
     folder = tmp_path / "d"
@@ -1000,9 +1067,17 @@ def test_measured_acceptance_decays_with_depth_and_grows_with_width(trained_llam
         for narrow, wide in zip(rows, rows[1:]):
             assert all(w >= n for n, w in zip(narrow, wide))
     assert table.beams[0][0] > 0.3  # the trained drafter is often right
+    # The same replies with beams of 2 and 3 tokens: a table of each, beams and joint.
+    assert [t.beam_length for t in table.by_length] == [2, 3]
+    for shorter in table.by_length:
+        assert shorter.steps > 0 and not shorter.lookup and len(shorter.beams) == 3
+        assert len(shorter.joint) == 4 and len(shorter.joint[1][0]) == shorter.beam_length - 1
     # A dynamic tree's cut beams would undercount: refused before decoding anything.
-    with pytest.raises(ValueError, match="full tree, not the dynamic 8x7@20"):
-        measure_acceptance(model, drafter, prompts[:1], tree=TreeConfig.parse("8x7@20"))
+    for cut in (TreeConfig.parse("8x7@20"), TreeConfig(8, 7, tree_budget=20)):
+        with pytest.raises(ValueError, match="full tree, not 8x7.* with a node budget"):
+            measure_acceptance(model, drafter, prompts[:1], tree=cut)
+    with pytest.raises(ValueError, match="without a drafter only lookup branches"):
+        measure_acceptance(model, None, prompts[:1], tree=TreeConfig(8, 7))
 
 
 def test_the_shipped_priors_are_valid_tables():

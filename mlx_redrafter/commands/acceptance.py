@@ -11,7 +11,7 @@ from typing import Any
 from ..drafter import acceptance_file
 from ..files import write_json
 from ..prompts import encode_prompt, read_prompts
-from ..training.evaluate import ACCEPTANCE_TREE, measure_acceptance
+from ..training.evaluate import ACCEPTANCE_LENGTHS, ACCEPTANCE_TREE, measure_acceptance
 from .common import load_from_args, parse_tree
 from .generate import add_model_arguments
 
@@ -33,6 +33,12 @@ def register(commands: Any) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--tree", default=ACCEPTANCE_TREE.label, help="the measuring tree")
     parser.add_argument(
+        "--lengths",
+        default=",".join(str(n) for n in ACCEPTANCE_LENGTHS),
+        help="shorter beam lengths to measure the drafter's beams at too, comma-separated "
+        "(each decodes the prompts again; '' for none)",
+    )
+    parser.add_argument(
         "--write",
         action="store_true",
         help="write acceptance.json (acceptance-sampled.json when sampling) into --drafter",
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--tree: give a fixed tree to measure with, e.g. 8x7+4x10")
     if args.write and not args.drafter:
         raise ValueError("--write needs --drafter FOLDER (the table is written beside it)")
+    lengths = parse_lengths(args.lengths)
     model, drafter, tokenizer = load_from_args(args)
     records = read_prompts(args.prompts)
     if args.count and args.count < len(records):
@@ -57,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         drafter,
         prompts,
         tree=tree,
+        lengths=lengths,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         source=source,
@@ -67,3 +75,11 @@ def run(args: argparse.Namespace) -> int:
         write_json(path, table.to_dict())
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """'2,3,4' -> (2, 3, 4): beam lengths of at least 2 tokens."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not all(item.isdecimal() and int(item) >= 2 for item in items):
+        raise ValueError(f"--lengths: beam lengths of at least 2 tokens, e.g. 2,3,4; got {text!r}")
+    return tuple(int(item) for item in items)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -295,6 +295,9 @@ class _RecordRuns:
 
 
 ACCEPTANCE_TREE = TreeConfig(8, 7, lookup_branches=4, lookup_length=10)
+# The shorter beam lengths a drafter's acceptance is measured at too
+# (`AcceptanceTable.by_length`): the auto tree's candidates have beams of 2 to 7 tokens.
+ACCEPTANCE_LENGTHS = (2, 3, 4, 5)
 
 
 def measure_acceptance(
@@ -303,6 +306,7 @@ def measure_acceptance(
     prompts: Sequence[Sequence[int]],
     *,
     tree: TreeConfig = ACCEPTANCE_TREE,
+    lengths: Sequence[int] = ACCEPTANCE_LENGTHS,
     max_tokens: int = 128,
     temperature: float = 0.0,
     batch_size: int = 8,
@@ -310,25 +314,56 @@ def measure_acceptance(
 ) -> AcceptanceTable:
     """Decode the prompts with a wide tree and tabulate, per depth, how often the best
     of the first k drafter beams (and, separately, of the first k lookup branches)
-    had its first d drafted tokens accepted (`metrics.AcceptanceTable`).
+    had its first d drafted tokens accepted (`metrics.AcceptanceTable`). The prompts
+    are decoded again with the tree's beams cut to each of `lengths` tokens shorter
+    than its own (`AcceptanceTable.by_length`): the replies are the same (greedy, or
+    sampled with the same seeds), the beams are not.
 
     Without a drafter the tree's beams are dropped and only lookup branches count.
     """
+    if tree.draft_nodes is not None or tree.tree_budget is not None:
+        raise ValueError(
+            f"measure acceptance with a full tree, not {tree.label} with a node budget: its "
+            "cut beams would undercount what the auto tree's trees accept (e.g. 8x7+4x10)"
+        )
+    if drafter is None:
+        if not tree.lookup_branches:
+            raise ValueError(
+                f"without a drafter only lookup branches are measured: {tree.label} has "
+                "none; give a tree with lookup branches (e.g. 0x1+4x10) or a drafter"
+            )
+        tree, lengths = tree.lookup_only, ()
+
+    def measured_with(measuring: TreeConfig) -> AcceptanceTable:
+        sampling = SamplingConfig(temperature=temperature)
+        runs = _record_runs(model, drafter, prompts, measuring, sampling, max_tokens, batch_size)
+        return _tabulate(runs, measuring, temperature)
+
+    label = source or f"{len(prompts)} prompts x {max_tokens} tokens"
+    table = measured_with(tree)
+    shorter = []
+    for length in sorted({n for n in lengths if 2 <= n < tree.beam_length}):
+        branch = tree.lookup_branch_length if tree.lookup_branches else None
+        cut = replace(tree, beam_length=length, lookup_length=branch)
+        shorter.append(replace(measured_with(cut), lookup=()))
+    return replace(table, source=f"{label}, tree {tree.label}", by_length=tuple(shorter))
+
+
+def _record_runs(
+    model: nn.Module,
+    drafter: Drafter | None,
+    prompts: Sequence[Sequence[int]],
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+    max_tokens: int,
+    batch_size: int,
+) -> list[list[int]]:
+    """Decode the prompts with `tree` on every step: each step's and row's runs
+    (drafted tokens accepted per candidate, the drafter's beams first)."""
     from ..session import DecodingSession, Request, request_keys
 
-    if tree.draft_nodes is not None:
-        raise ValueError(
-            f"measure acceptance with a full tree, not the dynamic {tree.label}: its cut "
-            "beams would undercount what the auto tree's trees accept (e.g. 8x7+4x10)"
-        )
-    width = tree.beam_width if drafter is not None else 0
-    if drafter is None:
-        tree = TreeConfig(
-            0, 1, lookup_branches=tree.lookup_branches, lookup_length=tree.lookup_branch_length
-        )
     recorder = _RecordRuns(tree)
     session = DecodingSession(model, drafter, tree=recorder)
-    sampling = SamplingConfig(temperature=temperature)
     stop = StopConfig(max_tokens=max_tokens)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -336,14 +371,19 @@ def measure_acceptance(
         requests = [Request(list(p), sampling, stop, key) for p, key in zip(chunk, keys)]
         for _ in session.run(requests):
             pass
-    beams = [row[:width] for row in recorder.runs] if width else []
-    lookup = [row[width:] for row in recorder.runs]
+    return recorder.runs
+
+
+def _tabulate(runs: list[list[int]], tree: TreeConfig, temperature: float) -> AcceptanceTable:
+    """The acceptance table of `runs` recorded with `tree` (its beams first)."""
+    width = tree.beam_width if tree.beam_length > 1 else 0
+    beams = [row[:width] for row in runs]
+    lookup = [row[width:] for row in runs]
     depth = min(tree.beam_length, tree.lookup_branch_length) - 1 if width else 0
     return AcceptanceTable(
         beams=survival(beams, tree.beam_length - 1) if width else (),
-        lookup=survival(lookup, tree.lookup_branch_length - 1),
-        joint=joint_survival(recorder.runs, width, depth) if width else (),
+        lookup=survival(lookup, tree.lookup_branch_length - 1) if tree.lookup_branches else (),
+        joint=joint_survival(runs, width, depth) if width else (),
         temperature=temperature,
-        steps=len(recorder.runs),
-        source=f"{source or f'{len(prompts)} prompts x {max_tokens} tokens'}, tree {tree.label}",
+        steps=len(runs),
     )
