@@ -41,7 +41,9 @@ from .per_model import PerModel
 
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
 PROBE_LONGEST = 16  # most steps between two drafter probes
-PROBE_WIDTH, PROBE_LENGTH = 2, 5  # the drafter tree a probe drafts (`probes.py`)
+# A drafter probe (`probes.py`) drafts 2 beams, of at most 5 tokens: it learns only
+# once its rows have decoded L - 1 more tokens.
+PROBE_WIDTH, PROBE_MAX_LENGTH = 2, 5
 POOL_STEPS = 4.0  # steps' worth of the calibration in each measured cost (`MeasuredCosts`)
 STEP_FADE = 0.99  # what a step counts in those costs after another step, plain or not
 
@@ -229,9 +231,9 @@ def prior_planes(
     alone (k = 0) are the table's own in every plane: they have no beam length."""
     main = prior_cube(table, kinds[0], kinds[1], depth, alone)  # (Kw + 1, Kg + 1, D)
     measured = {
-        length: prior_cube(replace(t, lookup=table.lookup), kinds[0], kinds[1], depth, alone)
-        for length, t in table.beams_by_length().items()
-    }
+        n: main if t is table else prior_cube(replace(t, lookup=table.lookup), *kinds, depth, alone)
+        for n, t in table.beams_by_length().items()
+    }  # beam length -> (Kw + 1, Kg + 1, D)
     if not measured:
         return np.stack([main] * len(lengths))  # (P, Kw + 1, Kg + 1, D)
     planes = np.stack([_at_length(measured, n) for n in lengths])  # (P, Kw + 1, Kg + 1, D)
@@ -241,14 +243,15 @@ def prior_planes(
 
 def _at_length(cubes: dict[int, np.ndarray], length: int) -> np.ndarray:
     """The cube (Kw + 1, Kg + 1, D) of beams of `length` tokens from `cubes` of that
-    shape measured at other beam lengths (their keys)."""
-    below = [n for n in sorted(cubes) if n <= length]
-    above = [n for n in sorted(cubes) if n >= length]
+    shape measured at beam lengths (their keys, ascending): its own, interpolated
+    between the two around it, or the nearest beyond them."""
+    if length in cubes:
+        return cubes[length]
+    below = [n for n in cubes if n < length]
+    above = [n for n in cubes if n > length]
     if not below or not above:
-        return cubes[(above or below)[0 if above else -1]]
+        return cubes[above[0] if above else below[-1]]
     low, high = below[-1], above[0]
-    if low == high:
-        return cubes[low]
     share = (length - low) / (high - low)
     return (1 - share) * cubes[low] + share * cubes[high]
 
@@ -275,15 +278,38 @@ def rates(survival: np.ndarray) -> np.ndarray:
     return np.where(before > 0, survival / np.maximum(before, 1e-9), 0.0)
 
 
-class AcceptanceEstimate:
-    """Running acceptance of a step's candidates: for beams of each of `lengths`
-    tokens, the best of the first k drafter beams and first g lookup branches, and
-    depth d, the steps that reached depth d - 1 and those that went on to accept
-    token d. Counts fade by `decay` each step, and `strength` steps' worth of the
-    prior's rates are mixed in. Lookup branches alone (k = 0) have no beam length:
-    every plane holds the same counts for them.
+@dataclass(frozen=True)
+class Counts:
+    """Of some cells of the running estimate (any shape, ..., D), the steps that
+    reached depth d - 1 and those that went on to accept token d."""
 
-    prior: (P, Kw + 1, Kg + 1, D) survival (`prior_planes`), one plane per length.
+    reached: np.ndarray
+    passed: np.ndarray
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...]) -> Counts:
+        return cls(np.zeros(shape), np.zeros(shape))
+
+    def fade(self, decay: float) -> None:
+        self.reached[...] *= decay  # in place: the arrays are the state
+        self.passed[...] *= decay
+
+    def add(self, cells: tuple[slice | int, ...], reached: np.ndarray, passed: np.ndarray) -> None:
+        self.reached[cells] += reached
+        self.passed[cells] += passed
+
+
+class AcceptanceEstimate:
+    """Running acceptance of a step's candidates: for the best of the first k drafter
+    beams (of each of `lengths` tokens) and first g lookup branches, and depth d, the
+    steps that reached depth d - 1 and those that went on to accept token d. Counts
+    fade by `decay` each step, and `strength` steps' worth of the prior's rates are
+    mixed in. Lookup branches alone (k = 0) have no beam length: their counts are
+    kept once (`alone`, (Kg + 1, D)), those of beams once per length (`beams`,
+    (P, Kw, Kg + 1, D)).
+
+    prior: (P, Kw + 1, Kg + 1, D) survival (`prior_planes`), one plane per length,
+    whose planes hold the same lookup-only cells.
     """
 
     def __init__(
@@ -295,15 +321,16 @@ class AcceptanceEstimate:
     ):
         if prior.ndim != 4 or prior.shape[0] != len(lengths):
             raise ValueError(f"prior: (P, Kw + 1, Kg + 1, D) for P={len(lengths)} beam lengths")
+        planes, beams, branches, depth = prior.shape  # (P, Kw + 1, Kg + 1, D)
         self.lengths = tuple(lengths)
         self.prior_rate = rates(prior)
         self.strength, self.decay = strength, decay
-        self.reached: np.ndarray = np.zeros(prior.shape)
-        self.passed: np.ndarray = np.zeros(prior.shape)
+        self.alone = Counts.zeros((branches, depth))  # lookup branches alone
+        self.beams = Counts.zeros((planes, beams - 1, branches, depth))  # k = 1 .. Kw beams
 
     def fade(self) -> None:
-        self.reached *= self.decay
-        self.passed *= self.decay
+        self.alone.fade(self.decay)
+        self.beams.fade(self.decay)
 
     def observe(
         self, beam_runs: np.ndarray, branch_runs: np.ndarray, length: int, branch_length: int
@@ -312,8 +339,8 @@ class AcceptanceEstimate:
         candidate had accepted, ranked best first within each kind; length and
         branch_length: tokens per beam and per branch (the depths verified; length
         also picks the plane the beams' cells are counted in)."""
-        _, beams, branches, depth = (int(n) for n in self.reached.shape)
-        w, g = min(beam_runs.shape[1], beams - 1), min(branch_runs.shape[1], branches - 1)
+        _, kw, branches, depth = self.beams.reached.shape  # (P, Kw, Kg + 1, D)
+        w, g = min(beam_runs.shape[1], kw), min(branch_runs.shape[1], branches - 1)
         if w + g == 0:
             return
         none = np.full((beam_runs.shape[0], 1), -1)  # (B, 1): no candidate
@@ -327,45 +354,45 @@ class AcceptanceEstimate:
         reach[0, 0] = 0
         depths = np.arange(1, depth + 1)  # (D,)
         seen = depths[None, None, :] <= reach[:, :, None]  # (w+1, g+1, D)
-        alive = best[..., None] >= depths - 1  # (B, w+1, g+1, D)
-        passed = best[..., None] >= depths
+        reached = np.sum(best[..., None] >= depths - 1, axis=0) * seen  # (w+1, g+1, D)
+        passed = np.sum(best[..., None] >= depths, axis=0) * seen
         plane = int(plane_of(self.lengths, np.array([length]))[0])
-        for counts, hits in ((self.reached, alive), (self.passed, passed)):
-            cells = np.sum(hits, axis=0) * seen  # (w+1, g+1, D)
-            counts[:, 0, : g + 1] += cells[0]  # lookup branches alone: every plane
-            counts[plane, 1 : w + 1, : g + 1] += cells[1:]
+        self.alone.add((slice(0, g + 1),), reached[0], passed[0])
+        self.beams.add((plane, slice(0, w), slice(0, g + 1)), reached[1:], passed[1:])
 
     def survival(self, prior_rate: np.ndarray | None = None) -> np.ndarray:
         """(P, Kw + 1, Kg + 1, D): P(the best of those candidates accepts >= d tokens),
-        from the counts and the prior's rates (`prior_rate`: others of that shape).
-
-        The prior's rates are first scaled down by how the observed steps fall short
-        of what the prior predicted for them, so that text where nothing is accepted
-        lowers the cells not yet observed too (wider trees, deeper tokens). They are
-        never scaled up: a rate raised at every depth compounds along the depths, so
-        a few lucky steps would promise the deepest trees several tokens they have
-        not shown (and the choice, taking the best of many such promises, would
-        follow them); text easier than the prior raises the cells it observes, from
-        their own counts. Each kind is scaled by its own observations: trees with
-        drafter beams (k >= 1) by theirs, lookup branches alone (k = 0) by theirs, so
-        that lookup branches checked in hindsight neither hold back nor raise the
-        drafter's estimate. Beams of every length share their scale: what one length
-        shows of the text holds the others back too."""
-        weight = self.strength
+        from the counts and the prior's rates (`prior_rate`: others of that shape),
+        each kind by `_rates`: lookup branches alone (k = 0, the same in every
+        plane) by their own counts, and beams of every length by theirs, so that
+        lookup branches checked in hindsight neither hold back nor raise the
+        drafter's estimate."""
         prior_rate = self.prior_rate if prior_rate is None else prior_rate
-        scale = np.ones(prior_rate.shape[1])  # (Kw + 1,)
-        # Lookup branches alone from one plane (every plane holds their counts), beams
-        # from all.
-        for kept, rows in ((slice(0, 1), slice(0, 1)), (slice(None), slice(1, None))):
-            cells = (kept, rows)
-            predicted = float(np.sum(self.reached[cells] * prior_rate[cells]))
-            observed = (float(np.sum(self.passed[cells])) + weight) / (predicted + weight)
-            scale[rows] = min(observed, 1.0)
-        prior = np.clip(prior_rate * scale[:, None, None], 0.0, 1.0)
-        rate = (self.passed + weight * prior) / (self.reached + weight)
+        alone = self._rates(self.alone, prior_rate[0, 0])  # (Kg + 1, D)
+        beams = self._rates(self.beams, prior_rate[:, 1:])  # (P, Kw, Kg + 1, D)
+        every_plane = (prior_rate.shape[0], 1, *alone.shape)
+        alone = np.broadcast_to(alone, every_plane)  # (P, 1, Kg + 1, D)
+        rate = np.concatenate([alone, beams], axis=1)  # (P, Kw + 1, Kg + 1, D)
         planes = np.cumprod(np.clip(rate, 0.0, 1.0), axis=-1)  # (P, Kw + 1, Kg + 1, D)
         planes[:, 0, 0] = 0.0
         return planes
+
+    def _rates(self, counts: Counts, prior_rate: np.ndarray) -> np.ndarray:
+        """The rates of one kind's cells (any shape, ..., D): its counts mixed with the
+        prior's rates, first scaled down by how its observed steps fall short of
+        what the prior predicted for them, so that text where nothing is accepted
+        lowers the cells not yet observed too (wider trees, deeper tokens; beams of
+        every length share the scale: what one length shows of the text holds the
+        others back too). They are never scaled up: a rate raised at every depth
+        compounds along the depths, so a few lucky steps would promise the deepest
+        trees several tokens they have not shown (and the choice, taking the best
+        of many such promises, would follow them); text easier than the prior raises
+        the cells it observes, from their own counts."""
+        weight = self.strength
+        predicted = float(np.sum(counts.reached * prior_rate))
+        scale = min((float(np.sum(counts.passed)) + weight) / (predicted + weight), 1.0)
+        prior = np.clip(prior_rate * scale, 0.0, 1.0)
+        return (counts.passed + weight * prior) / (counts.reached + weight)
 
 
 def expected_tokens(candidates: Candidates, planes: np.ndarray) -> np.ndarray:
@@ -375,7 +402,7 @@ def expected_tokens(candidates: Candidates, planes: np.ndarray) -> np.ndarray:
     its branches while d < Ll."""
     count_planes, beams, branches, depth = planes.shape
     if count_planes != len(candidates.beam_lengths):
-        raise ValueError(f"cube: {len(candidates.beam_lengths)} planes, one per beam length")
+        raise ValueError(f"planes: {len(candidates.beam_lengths)}, one per beam length")
     d = np.arange(1, depth + 1)[None, :]  # (1, D)
     width = np.minimum(candidates.width, beams - 1)[:, None]  # (C, 1)
     count = np.minimum(candidates.branches, branches - 1)[:, None]
@@ -617,7 +644,9 @@ class AutoTree:
         self._hindsight = (
             TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
         )
-        self._probe = TreeConfig(min(PROBE_WIDTH, kinds[0]), PROBE_LENGTH) if kinds[0] else None
+        self._probe_width = min(PROBE_WIDTH, kinds[0])  # 0: no drafter, no probes
+        self._probed: set[TreeConfig] = set()  # probe trees drafted so far
+        self._building = False  # this step's probe drafts a tree not drafted before
         self._last = (1, 0, 0.0)  # (batch size, context, temperature) of the last choice
 
     @classmethod
@@ -805,8 +834,17 @@ class AutoTree:
         the target's sample at its parent is that token, and the tokens decoded since
         are those samples, so a probe's runs are distributed as a verified beam's.
         Sampled steps without a prior they trust for the beams are probed on every
-        step they can be (one probe at a time) until they have seen enough."""
-        if self._probe is None:
+        step they can be (one probe at a time) until they have seen enough.
+
+        A probe drafts `PROBE_WIDTH` beams as long as those of the drafter tree that
+        the prior at the steps' temperature ranks best, up to `PROBE_MAX_LENGTH`
+        tokens (it learns once its rows have decoded L - 1 more tokens): it teaches
+        the plane of acceptance that the choice moves to when the drafter guesses
+        the text. (The running estimate would not do: after a stretch the drafter
+        does not guess, it ranks the drafter trees by their cost alone.) A probe tree
+        drafted for the first time may build its beam search: its step teaches no
+        cost."""
+        if not self._probe_width:
             return None
         batch_size, context, temperature = self._last
         due = self._probe_due.due(tree.beam_width > 0 and tree.beam_length > 1)
@@ -815,9 +853,18 @@ class AutoTree:
         _, bound = self.prior(0.0)  # (C,) expected tokens by the greedy prior
         # On the cost curve alone: a tree overhead learned in a short stint must not
         # keep the drafter from ever being probed again.
-        speeds = batch_size * bound / self.calibrated(batch_size, context, temperature)
+        costs = self.calibrated(batch_size, context, temperature)
+        speeds = bound / costs
         drafted = self.candidates.width > 0
-        return self._probe if speeds[drafted].max(initial=0.0) > speeds[0] else None
+        if speeds[drafted].max(initial=0.0) <= speeds[0]:
+            return None
+        _, tokens = self.prior(temperature)
+        best = int(np.argmax(np.where(drafted, tokens / costs, -np.inf)))
+        length = min(int(self.candidates.length[best]), PROBE_MAX_LENGTH)
+        probe = TreeConfig(self._probe_width, length)
+        self._building = probe not in self._probed  # its beam search may be built now
+        self._probed.add(probe)
+        return probe
 
     def record_probe(self, runs: np.ndarray, probe_tree: TreeConfig) -> None:
         """Learn drafter acceptance from the runs (B, W) that a probe's beams would
@@ -843,7 +890,7 @@ class AutoTree:
         self._observe(runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length)
         index = self._index.get(tree)
         if index is None:
-            self._held = None
+            self._held, self._building = None, False
             return
         temperature = self._last[2]  # the last choice's rows: this step's
         predicted = float(self.calibrated(batch_size, context, temperature)[index])
@@ -870,13 +917,15 @@ class AutoTree:
     def _start_step(self, index: int) -> bool:
         """A step of candidate `index` runs: learn the held plain step's excess unless
         this step is the first of its tree (or of plain decoding) in this session,
-        which may have been built by it; returns whether it is."""
+        which may have been built by it; returns whether this step teaches no cost:
+        it is that first step, or it drafted a probe tree for the first time."""
         held, self._held = self._held, None
         first_use = index not in self._ran
         self._ran.add(index)
+        building, self._building = self._building, False  # the step before did not
         if held is not None and not first_use:
             self.measured.learn_excess(0, held)
-        return first_use
+        return first_use or building
 
     def _learn_tree_step(self, index: int, seconds: float, predicted: float) -> None:
         """Learn from a tree step's time: the first step of a stint teaches the
