@@ -627,10 +627,6 @@ class AutoTree:
         self.every, self.margin = every, margin
         self._after_plain = True
         self._stint = 0  # tree steps since the last plain one
-        # Trees this session has run: the first step of each may build (compile) its
-        # functions for this session's compilation and kernels, so it teaches no cost.
-        self._ran: set[int] = set()
-        self._held: float | None = None  # the last plain step's excess, learned after the next
         self.current: dict[int, int] = {}  # batch size -> candidate index
         self._latest = 0  # the candidate chosen last, for any batch size (0: plain)
         self._age: dict[int, int] = {}
@@ -645,8 +641,6 @@ class AutoTree:
             TreeConfig(0, 1, lookup_branches=kinds[1], lookup_length=longest) if kinds[1] else None
         )
         self._probe_width = min(PROBE_WIDTH, kinds[0])  # 0: no drafter, no probes
-        self._probed: set[TreeConfig] = set()  # probe trees drafted so far
-        self._building = False  # this step's probe drafts a tree not drafted before
         self._last = (1, 0, 0.0)  # (batch size, context, temperature) of the last choice
 
     @classmethod
@@ -841,9 +835,7 @@ class AutoTree:
         tokens (it learns once its rows have decoded L - 1 more tokens): it teaches
         the plane of acceptance that the choice moves to when the drafter guesses
         the text. (The running estimate would not do: after a stretch the drafter
-        does not guess, it ranks the drafter trees by their cost alone.) A probe tree
-        drafted for the first time may build its beam search: its step teaches no
-        cost."""
+        does not guess, it ranks the drafter trees by their cost alone.)"""
         if not self._probe_width:
             return None
         batch_size, context, temperature = self._last
@@ -861,10 +853,7 @@ class AutoTree:
         _, tokens = self.prior(temperature)
         best = int(np.argmax(np.where(drafted, tokens / costs, -np.inf)))
         length = min(int(self.candidates.length[best]), PROBE_MAX_LENGTH)
-        probe = TreeConfig(self._probe_width, length)
-        self._building = probe not in self._probed  # its beam search may be built now
-        self._probed.add(probe)
-        return probe
+        return TreeConfig(self._probe_width, length)
 
     def record_probe(self, runs: np.ndarray, probe_tree: TreeConfig) -> None:
         """Learn drafter acceptance from the runs (B, W) that a probe's beams would
@@ -879,10 +868,17 @@ class AutoTree:
         self._observe(none, runs, 1, lookup_tree.lookup_branch_length)
 
     def record(
-        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+        self,
+        tree: TreeConfig,
+        batch_size: int,
+        seconds: float,
+        runs: np.ndarray,
+        context: int,
+        built: bool = False,
     ) -> None:
-        """Learn from a step: its time and each row's runs (B, W + G) of accepted
-        tokens per candidate (the drafter's beams first)."""
+        """Learn from a step: each row's runs (B, W + G) of accepted tokens per
+        candidate (the drafter's beams first), and its time unless it `built` some
+        tree's functions (its first run of them in the session)."""
         self.acceptance.fade()
         self.measured.fade()
         width = tree.beam_width if tree.beam_length > 1 else 0
@@ -890,51 +886,34 @@ class AutoTree:
         self._observe(runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length)
         index = self._index.get(tree)
         if index is None:
-            self._held, self._building = None, False
             return
         temperature = self._last[2]  # the last choice's rows: this step's
         predicted = float(self.calibrated(batch_size, context, temperature)[index])
         # The step's host work and anything else the calibration did not see ...
         if self.candidates.plain[index]:
-            self._learn_plain_step(index, seconds - predicted)
+            self._learn_plain_step(seconds - predicted, built)
             return
-        self._learn_tree_step(index, seconds, predicted)
+        self._learn_tree_step(index, seconds, predicted, built)
 
-    def _learn_plain_step(self, index: int, excess: float) -> None:
+    def _learn_plain_step(self, excess: float, built: bool) -> None:
         """Learn from a plain step's `excess` (seconds beyond its calibrated cost). A
         plain step that looked ahead launched the next one's forward, so its time can
         hold part of its neighbour's (the first of a stint long, the last short): only
         their average means something, so it is not clipped, and no plain factor is
-        kept. Its excess is held until the next step is known: a plain step that
-        chose a tree for the next step built that tree's step functions
-        (`Session._look_ahead`) if it is the tree's first step in this session, and
-        then teaches nothing; nor does the session's first plain step."""
+        kept."""
         if not self._after_plain:  # a stint of trees ended
             self._end_stint()
         self._after_plain = True
-        self._held = None if self._start_step(index) else excess
+        if not built:
+            self.measured.learn_excess(0, excess)
 
-    def _start_step(self, index: int) -> bool:
-        """A step of candidate `index` runs: learn the held plain step's excess unless
-        this step is the first of its tree (or of plain decoding) in this session,
-        which may have been built by it; returns whether this step teaches no cost:
-        it is that first step, or it drafted a probe tree for the first time."""
-        held, self._held = self._held, None
-        first_use = index not in self._ran
-        self._ran.add(index)
-        building, self._building = self._building, False  # the step before did not
-        if held is not None and not first_use:
-            self.measured.learn_excess(0, held)
-        return first_use or building
-
-    def _learn_tree_step(self, index: int, seconds: float, predicted: float) -> None:
+    def _learn_tree_step(self, index: int, seconds: float, predicted: float, built: bool) -> None:
         """Learn from a tree step's time: the first step of a stint teaches the
         switch's cost (`entry`), the others the tree steps' overhead and this tree's
-        factor; a tree's first step in this session (which may build its functions)
-        teaches nothing."""
+        factor."""
         first_of_stint = self._after_plain
         self._after_plain, self._stint = False, 1 if first_of_stint else self._stint + 1
-        if self._start_step(index):
+        if built:
             return
         if first_of_stint:  # against what tree steps measure, not faded toward 0
             expected = predicted + self.measured.excess[1]

@@ -148,9 +148,17 @@ class TreeChoice(Protocol):
         ...
 
     def record(
-        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+        self,
+        tree: TreeConfig,
+        batch_size: int,
+        seconds: float,
+        runs: np.ndarray,
+        context: int,
+        built: bool = False,
     ) -> None:
-        """A step's time and each row's runs (B, W + G) of accepted drafted tokens."""
+        """A step's time and each row's runs (B, W + G) of accepted drafted tokens;
+        `built`: the step ran some tree's functions for the first time in its session
+        (they may have been traced and compiled then), so its time is not a cost."""
         ...
 
 
@@ -173,8 +181,14 @@ class FixedTrees:
         return self.guard.choose(tree, batch_size) if self.guard is not None else tree
 
     def record(
-        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+        self,
+        tree: TreeConfig,
+        batch_size: int,
+        seconds: float,
+        runs: np.ndarray,
+        context: int,
+        built: bool = False,
     ) -> None:
-        if self.guard is not None:
+        if self.guard is not None and not built:
             tau = 1.0 + float(np.mean(np.max(runs, axis=1))) if runs.size else 1.0
             self.guard.record(tree, batch_size, seconds, tau)

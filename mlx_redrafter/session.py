@@ -130,7 +130,8 @@ class Update:
 @dataclass(frozen=True)
 class _TimedStep:
     """A step the policy has not been told of yet: its tree, rows, seconds from launch
-    to its tokens on the host, runs (B, W + G), context, and when it ended."""
+    to its tokens on the host, runs (B, W + G), context, when it ended, and whether
+    it ran some tree's functions for the first time in this session (`built`)."""
 
     tree: TreeConfig
     batch_size: int
@@ -138,6 +139,7 @@ class _TimedStep:
     runs: np.ndarray
     context: int
     ended: float
+    built: bool
 
 
 def stop_config(tokenizer: Any, max_tokens: int, stop: Sequence[str] | str | None) -> StopConfig:
@@ -357,6 +359,7 @@ class DecodingSession:
         self._rows: dict[int, _Row] = {}
         self._unstarted: list[Update] = []
         self._functions: dict[TreeConfig, StepFunctions] = {}
+        self._ran: set[TreeConfig] = set()  # trees whose functions ran in this session
         self._planned: tuple[int, TreeConfig] | None = None  # (batch size, next tree)
         self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
         self._oldest_due = False  # the oldest prefill gets the next chunk
@@ -577,6 +580,13 @@ class DecodingSession:
             self._functions[tree] = built
         return self._functions[tree]
 
+    def _first_run(self, tree: TreeConfig) -> bool:
+        """Whether this step runs `tree`'s functions for the first time in this session:
+        it may then build them (trace and compile), so its time is not their cost."""
+        first = tree not in self._ran
+        self._ran.add(tree)
+        return first
+
     def choose_tree(self, batch_size: int) -> TreeConfig:
         """The tree of the next step (the policy's choice, or the one planned when
         the previous step looked ahead)."""
@@ -601,6 +611,7 @@ class DecodingSession:
         batch_size = len(state.row_ids)
         tree = self.choose_tree(batch_size)
         steps = self.step_functions(tree)
+        built = self._first_run(tree)
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
@@ -610,7 +621,7 @@ class DecodingSession:
         row_ids = list(state.row_ids)
         with mx.stream(generation_stream()):
             hindsight = self._hindsight(state, tree, steps.plan.lookup_branches > 0)
-            self._start_probe(state, tree)
+            built = self._start_probe(state, tree) or built
             if self.confidence is not None and tree.draft_nodes is not None:
                 state.confidence = self.confidence.log_rates()  # ranks the nodes kept
             else:
@@ -624,7 +635,7 @@ class DecodingSession:
         seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
         stamp, frontier = time.perf_counter(), state.cache.frontier
-        self._timed = _TimedStep(used, batch_size, seconds, output.runs, frontier, stamp)
+        self._timed = _TimedStep(used, batch_size, seconds, output.runs, frontier, stamp, built)
         record = getattr(self.policy, "record_hindsight", None)
         if hindsight is not None and record is not None:
             record(np.array(hindsight[0]), hindsight[1])
@@ -688,7 +699,9 @@ class DecodingSession:
         if not gap_counts or self.group is not None or not 0.0 <= gap <= timed.seconds:
             gap = 0.0
         seconds = timed.seconds + gap
-        self.policy.record(timed.tree, timed.batch_size, seconds, timed.runs, timed.context)
+        self.policy.record(
+            timed.tree, timed.batch_size, seconds, timed.runs, timed.context, timed.built
+        )
 
     def _hindsight(
         self, state: DecodeState, tree: TreeConfig, verifies_lookup: bool
@@ -726,19 +739,22 @@ class DecodingSession:
         state.ride(runs)
         return runs, lookup_tree
 
-    def _start_probe(self, state: DecodeState, tree: TreeConfig) -> None:
+    def _start_probe(self, state: DecodeState, tree: TreeConfig) -> bool:
         """Draft the beams of the drafter tree the policy asks to probe on this step
         (`probes.py`), evaluated with the step's own work. Optional: a `TreeChoice`
-        without `probe` gets none; one probe at a time."""
+        without `probe` gets none; one probe at a time. Returns whether the probe
+        tree's functions ran for the first time in this session."""
         ask = getattr(self.policy, "probe", None)
         if self._probe is not None or self.drafter is None or ask is None:
-            return
+            return False
         probe_tree = ask(tree)
         if probe_tree is None:
-            return
+            return False
+        built = self._first_run(probe_tree)
         beams = draft(self.step_functions(probe_tree), state).beams  # (B, W, L)
         state.ride(beams)
         self._probe = DraftProbe.start(probe_tree, state.row_ids, beams)
+        return built
 
     def _follow_probe(self, row_ids: list[int], tokens: list[list[int]]) -> None:
         """Give the probe a step's decoded tokens; once they cover its beams, tell the

@@ -107,7 +107,7 @@ class _Alternating:
     def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         return self.tree if self.pattern[context % len(self.pattern)] == "t" else PLAIN_DECODING
 
-    def record(self, tree, batch_size, seconds, runs, context) -> None:
+    def record(self, tree, batch_size, seconds, runs, context, built=False) -> None:
         pass
 
 
@@ -297,9 +297,11 @@ class TimedChoice(_Alternating):
     def __init__(self, tree: TreeConfig, pattern: str):
         super().__init__(tree, pattern)
         self.recorded: list[tuple[TreeConfig, int, float]] = []
+        self.built: list[bool] = []
 
-    def record(self, tree, batch_size, seconds, runs, context) -> None:
+    def record(self, tree, batch_size, seconds, runs, context, built=False) -> None:
         self.recorded.append((tree, batch_size, seconds))
+        self.built.append(built)
 
 
 def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
@@ -319,7 +321,7 @@ def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
     runs = np.zeros((1, 0), dtype=np.int64)
     for gap, counts, seconds in ((0.05, True, 0.15), (100.0, True, 0.1), (0.05, False, 0.1)):
         ended = time.perf_counter() - gap
-        session._timed = session_module._TimedStep(PLAIN_DECODING, 1, 0.1, runs, 9, ended)
+        session._timed = session_module._TimedStep(PLAIN_DECODING, 1, 0.1, runs, 9, ended, False)
         session._settle_timing(gap_counts=counts)
         assert choice.recorded[-1][2] == pytest.approx(seconds, abs=0.01)
     session.add([Request(prompts[2], stop=StopConfig(10))])
@@ -328,6 +330,41 @@ def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
     told = len(choice.recorded)
     session.close()
     assert len(choice.recorded) == told + 1  # close tells the pending step
+
+
+class ProbingChoice(TimedChoice):
+    """Asks for a probe of one drafter tree on its 3rd and 6th questions, and notes
+    the step each probe started on."""
+
+    def __init__(self, tree: TreeConfig, pattern: str, probe_tree: TreeConfig):
+        super().__init__(tree, pattern)
+        self.probe_tree, self.asked, self.probed_on = probe_tree, 0, []
+
+    def probe(self, tree: TreeConfig) -> TreeConfig | None:
+        self.asked += 1
+        if self.asked not in (3, 6):
+            return None
+        self.probed_on.append(len(self.recorded))  # the steps before are told already
+        return self.probe_tree
+
+    def record_probe(self, runs, probe_tree) -> None:
+        pass
+
+
+def test_a_step_that_first_runs_a_trees_functions_is_told_as_built(trained_llama):
+    """The session tells its choice which steps ran a tree's functions for the first
+    time in the session (they may have been traced and compiled then, so their time
+    is no cost): its first plain step, its first step of the tree, and the step that
+    drafted the probe tree first; not any later step of either, nor a later probe."""
+    model, drafter, prompts = trained_llama
+    choice = ProbingChoice(TreeConfig(2, 3), "ppt", TreeConfig(1, 3))
+    session = DecodingSession(model, drafter, tree=choice)
+    list(session.run([Request(prompts[0], stop=StopConfig(24))]))
+    trees = [tree for tree, _, _ in choice.recorded]
+    first = {trees.index(PLAIN_DECODING), trees.index(TreeConfig(2, 3))}
+    assert len(choice.probed_on) == 2 and choice.probed_on[0] not in first
+    built = {step for step, flag in enumerate(choice.built) if flag}
+    assert built == first | {choice.probed_on[0]}
 
 
 def test_sessions_share_their_step_functions_while_the_model_lives(trained_llama):

@@ -289,7 +289,13 @@ class _RecordRuns:
         return self.tree
 
     def record(
-        self, tree: TreeConfig, batch_size: int, seconds: float, runs: np.ndarray, context: int
+        self,
+        tree: TreeConfig,
+        batch_size: int,
+        seconds: float,
+        runs: np.ndarray,
+        context: int,
+        built: bool = False,
     ) -> None:
         self.runs.extend(runs.tolist())
 
