@@ -93,8 +93,10 @@ class SpeedGuard:
         old = table.get(key)
         table[key] = value if old is None else (1 - self.weight) * old + self.weight * value
 
-    def record(self, tree: TreeConfig, batch_size: int, seconds: float, tau: float) -> None:
-        self._average(self.cost, (tree, batch_size), seconds)
+    def record(self, tree: TreeConfig, batch_size: int, seconds: float | None, tau: float) -> None:
+        """A step's tau and time (None: its time is no cost, as it built functions)."""
+        if seconds is not None:
+            self._average(self.cost, (tree, batch_size), seconds)
         if tree != PLAIN_DECODING:
             self._average(self.tau, tree, tau)
 
@@ -189,6 +191,6 @@ class FixedTrees:
         context: int,
         built: bool = False,
     ) -> None:
-        if self.guard is not None and not built:
+        if self.guard is not None:
             tau = 1.0 + float(np.mean(np.max(runs, axis=1))) if runs.size else 1.0
-            self.guard.record(tree, batch_size, seconds, tau)
+            self.guard.record(tree, batch_size, None if built else seconds, tau)

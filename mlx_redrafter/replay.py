@@ -312,13 +312,15 @@ def replay(
 ) -> Replayed:
     """Decode the recorded reply again with a fixed tree or the auto tree's choice:
     each step's tokens from the recorded runs, its seconds from `cost` (no cost for
-    a switch between plain and tree steps, for probes or for hindsight checks).
+    a switch between plain and tree steps, for probes or for hindsight checks), the
+    auto tree told of each tree's first step as a session tells it (`built`).
     A recording without a drafter replays a tree's lookup branches alone, as a
     session without a drafter decodes it. Adds to `into` (a fresh `Replayed` when
     None) and returns it."""
     result = into if into is not None else Replayed()
     auto = choice if isinstance(choice, AutoTree) else None
     checks = _Checks(auto, recording) if auto is not None else None
+    ran: set[TreeConfig] = set()  # a session's first step of a tree builds its functions
     position = 0
     while position < recording.reply_tokens:
         context = recording.prompt_tokens + position
@@ -338,7 +340,8 @@ def replay(
         result.trees[tree.label] += 1
         result.accepted.append(accepted)
         if auto is not None and checks is not None:
-            auto.record(tree, 1, seconds, runs, context)
+            auto.record(tree, 1, seconds, runs, context, built=tree not in ran)
+            ran.add(tree)
             checks.after(position)
     return result
 

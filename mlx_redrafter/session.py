@@ -359,7 +359,7 @@ class DecodingSession:
         self._rows: dict[int, _Row] = {}
         self._unstarted: list[Update] = []
         self._functions: dict[TreeConfig, StepFunctions] = {}
-        self._ran: set[TreeConfig] = set()  # trees whose functions ran in this session
+        self._ran: set[tuple[Any, ...]] = set()  # functions and shapes run (`_first_run`)
         self._planned: tuple[int, TreeConfig] | None = None  # (batch size, next tree)
         self._prefilling: list[tuple[Prefill, list[_Row]]] = []  # waiting to join, in order
         self._oldest_due = False  # the oldest prefill gets the next chunk
@@ -574,18 +574,28 @@ class DecodingSession:
         if tree not in self._functions:
             model, drafter, kernels = self.model, self.drafter, self.kernels
             if isinstance(kernels, Kernels):
-                built = step_functions(model, drafter, tree, self.compiled, kernels)
+                functions = step_functions(model, drafter, tree, self.compiled, kernels)
             else:
-                built = shared_step_functions(model, drafter, tree, self.compiled, kernels)
-            self._functions[tree] = built
+                functions = shared_step_functions(model, drafter, tree, self.compiled, kernels)
+            self._functions[tree] = functions
         return self._functions[tree]
 
-    def _first_run(self, tree: TreeConfig) -> bool:
-        """Whether this step runs `tree`'s functions for the first time in this session:
-        it may then build them (trace and compile), so its time is not their cost."""
-        first = tree not in self._ran
-        self._ran.add(tree)
+    def _first_run(self, *runs: tuple[Any, ...]) -> bool:
+        """Whether this step runs some compiled function at shapes it has not run at in
+        this session: it then traces them (and builds their kernels), so its time is
+        not their cost. `runs`: what each function's trace depends on (`_step_runs`)."""
+        first = not self._ran.issuperset(runs)
+        self._ran.update(runs)
         return first
+
+    @staticmethod
+    def _step_runs(tree: TreeConfig, state: DecodeState, lookup: bool) -> tuple[Any, ...]:
+        """The keys of the traces a step of `tree` runs: its draft (greedy or coupled
+        with the target's noise) and its lookup, pack and accept functions, at its
+        batch size and, with lookup branches, the width of the text's buffer."""
+        variant = (len(state.row_ids), state.all_greedy)
+        width = state.history.shape[1] if lookup else 0
+        return ("draft", tree, *variant), ("step", tree, *variant, width)
 
     def choose_tree(self, batch_size: int) -> TreeConfig:
         """The tree of the next step (the policy's choice, or the one planned when
@@ -611,7 +621,7 @@ class DecodingSession:
         batch_size = len(state.row_ids)
         tree = self.choose_tree(batch_size)
         steps = self.step_functions(tree)
-        built = self._first_run(tree)
+        built = self._first_run(*self._step_runs(tree, state, steps.plan.lookup_branches > 0))
         started = time.perf_counter()
         if self.clock is not None:
             self.clock.start()
@@ -742,17 +752,22 @@ class DecodingSession:
     def _start_probe(self, state: DecodeState, tree: TreeConfig) -> bool:
         """Draft the beams of the drafter tree the policy asks to probe on this step
         (`probes.py`), evaluated with the step's own work. Optional: a `TreeChoice`
-        without `probe` gets none; one probe at a time. Returns whether the probe
-        tree's functions ran for the first time in this session."""
+        without `probe` gets none; one probe at a time. Returns whether its draft
+        ran at these shapes for the first time in this session: the beams are then
+        evaluated now, so that building them is this step's time, not the next's
+        (a plain step that looks ahead has the next one's forward wait for them)."""
         ask = getattr(self.policy, "probe", None)
         if self._probe is not None or self.drafter is None or ask is None:
             return False
         probe_tree = ask(tree)
         if probe_tree is None:
             return False
-        built = self._first_run(probe_tree)
+        built = self._first_run(self._step_runs(probe_tree, state, False)[0])
         beams = draft(self.step_functions(probe_tree), state).beams  # (B, W, L)
-        state.ride(beams)
+        if built:
+            mx.eval(beams)
+        else:
+            state.ride(beams)
         self._probe = DraftProbe.start(probe_tree, state.row_ids, beams)
         return built
 

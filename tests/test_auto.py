@@ -529,7 +529,8 @@ def test_a_tree_whose_steps_cost_more_than_other_trees_gives_way():
         tree = auto.choose(1)
         runs = np.full((1, tree.num_branches), tree.depth - 1)  # everything accepted
         seconds = float(auto.calibrated(1, 0)[auto._index[tree]])
-        built, _ = tree not in ran, ran.add(tree)
+        built = tree not in ran
+        ran.add(tree)
         auto.record(tree, 1, 3 * seconds if tree == slow else seconds, runs, 0, built)
     # Its first step (building its functions) taught nothing, the others its cost.
     assert auto.factor[index] > 1.3 and auto.entry == 0 and auto.choose(1) != slow

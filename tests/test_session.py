@@ -351,18 +351,37 @@ class ProbingChoice(TimedChoice):
         pass
 
 
-def test_a_step_that_first_runs_a_trees_functions_is_told_as_built(trained_llama):
-    """The session tells its choice which steps ran a tree's functions for the first
-    time in the session (they may have been traced and compiled then, so their time
+class LateTreeChoice(ProbingChoice):
+    """Decodes plainly on its first `start` steps, then with its tree."""
+
+    def __init__(self, tree: TreeConfig, start: int, probe_tree: TreeConfig):
+        super().__init__(tree, "t", probe_tree)
+        self.start, self.chosen = start, 0
+
+    def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
+        self.chosen += 1
+        return self.tree if self.chosen > self.start else PLAIN_DECODING
+
+
+@pytest.mark.parametrize("case", ["another tree", "the same tree, probed first"])
+def test_a_step_that_first_runs_a_trees_functions_is_told_as_built(trained_llama, case):
+    """The session tells its choice which steps ran some compiled function at shapes
+    it had not run at in the session (they were traced and built then, so their time
     is no cost): its first plain step, its first step of the tree, and the step that
-    drafted the probe tree first; not any later step of either, nor a later probe."""
+    drafted the probe tree first; not any later step, nor a later probe. A probe of
+    the step tree before its first step drafted only: that step is built too."""
     model, drafter, prompts = trained_llama
-    choice = ProbingChoice(TreeConfig(2, 3), "ppt", TreeConfig(1, 3))
+    if case == "another tree":
+        choice: ProbingChoice = ProbingChoice(TreeConfig(2, 3), "ppt", TreeConfig(1, 3))
+    else:
+        choice = LateTreeChoice(TreeConfig(2, 3), 8, TreeConfig(2, 3))
     session = DecodingSession(model, drafter, tree=choice)
     list(session.run([Request(prompts[0], stop=StopConfig(24))]))
     trees = [tree for tree, _, _ in choice.recorded]
     first = {trees.index(PLAIN_DECODING), trees.index(TreeConfig(2, 3))}
     assert len(choice.probed_on) == 2 and choice.probed_on[0] not in first
+    if case != "another tree":
+        assert choice.probed_on[0] < trees.index(TreeConfig(2, 3))
     built = {step for step, flag in enumerate(choice.built) if flag}
     assert built == first | {choice.probed_on[0]}
 
