@@ -877,8 +877,8 @@ class AutoTree:
         built: bool = False,
     ) -> None:
         """Learn from a step: each row's runs (B, W + G) of accepted tokens per
-        candidate (the drafter's beams first), and its time unless it `built` some
-        tree's functions (its first run of them in the session)."""
+        candidate (the drafter's beams first), and its time unless it `built`
+        functions (ran them at shapes new to its session, `TreeChoice.record`)."""
         self.acceptance.fade()
         self.measured.fade()
         width = tree.beam_width if tree.beam_length > 1 else 0

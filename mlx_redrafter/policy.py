@@ -159,8 +159,9 @@ class TreeChoice(Protocol):
         built: bool = False,
     ) -> None:
         """A step's time and each row's runs (B, W + G) of accepted drafted tokens;
-        `built`: the step ran some tree's functions for the first time in its session
-        (they may have been traced and compiled then), so its time is not a cost."""
+        `built`: the step ran some compiled function at shapes it had not run at in
+        its session (it traced it and built its kernels then), so its time is not a
+        cost (`DecodingSession._first_run`)."""
         ...
 
 

@@ -131,7 +131,7 @@ class Update:
 class _TimedStep:
     """A step the policy has not been told of yet: its tree, rows, seconds from launch
     to its tokens on the host, runs (B, W + G), context, when it ended, and whether
-    it ran some tree's functions for the first time in this session (`built`)."""
+    it ran some compiled function at shapes new to this session (`built`)."""
 
     tree: TreeConfig
     batch_size: int
