@@ -202,9 +202,11 @@ def prior_cube(
     alone: survival rows of lookup branches in trees without drafter beams, where they
     cap the table's. A drafter's table measures its branches beside beams, where a
     branch that finds no match in the text nor in the n-gram table copies the best
-    beam; without beams it repeats the root. The cap (the built-in prior, measured
-    without an n-gram table) undercounts the table's share, which hindsight checks
-    then find."""
+    beam; without beams it repeats the root. The cap is the drafter's own
+    measurement of branches alone (`AcceptanceTable.alone`), or for a table without
+    one the built-in prior, measured on another model without an n-gram table,
+    which undercounts what a model that copies more accepts until the running
+    estimate finds it."""
     zero = np.zeros((1, depth))
     by_beam = np.concatenate([zero, _prior_rows(table.beams, beams, depth)])  # (Kw+1, D)
     by_branch = np.concatenate([zero, _prior_rows(table.lookup, branches, depth)])  # (Kg+1, D)
@@ -264,11 +266,12 @@ def _table_planes(
 ) -> np.ndarray:
     """The prior planes (P, Kw + 1, Kg + 1, D) of a drafter's (or the built-in) table
     for (Kw, Kg) candidates and beams of `lengths`: lookup rows from `builtin`
-    (measured at the same temperature) where the table has none, and capped by them
-    for branches alone."""
+    (measured at the same temperature) where the table has none; branches alone
+    capped by the table's own measurement of them (`AcceptanceTable.alone`), else by
+    `builtin`'s rows."""
     if not table.lookup:
         table = replace(table, lookup=builtin.lookup)
-    alone = builtin.lookup if table.beams else ()
+    alone = (table.alone or builtin.lookup) if table.beams else ()
     return prior_planes(table, lengths, kinds, DEPTH, alone)
 
 

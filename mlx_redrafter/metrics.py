@@ -108,6 +108,10 @@ class AcceptanceTable:
         first g lookup branches together (k, g >= 0; [0][0] is empty), measured in the
         same steps: the two kinds often propose the same tokens, so their union
         accepts less than if they were independent.
+    alone[k][d - 1]: the same for the first k + 1 lookup branches of trees without
+        drafter beams (with the drafter's n-gram table), measured on the same prompts
+        apart: beside beams a branch that finds no match copies the best beam, so
+        `lookup` counts the beam's acceptance too ([] when not measured).
     temperature: the sampling temperature it was measured at (0: greedy); steps: the
     steps it was measured on; source: the prompts and tree it was measured with.
     by_length: the beams (and joint) of the same drafter measured on the same prompts
@@ -125,6 +129,7 @@ class AcceptanceTable:
     steps: int = 0
     source: str = ""
     by_length: tuple[AcceptanceTable, ...] = ()
+    alone: tuple[tuple[float, ...], ...] = ()
 
     @property
     def beam_length(self) -> int:
@@ -149,6 +154,8 @@ class AcceptanceTable:
         }
         if self.by_length:
             data["by_length"] = [t.to_dict() for t in self.by_length]
+        if self.alone:
+            data["alone"] = [list(row) for row in self.alone]
         return data
 
     @classmethod
@@ -187,7 +194,8 @@ class AcceptanceTable:
             raise ValueError("acceptance table: every row of 'beams' must have the same depth")
         if any(t.temperature != temperature for t in by_length):
             raise ValueError("acceptance table: 'by_length' tables are measured at its temperature")
-        return cls(beams, rows("lookup"), cube, float(temperature), steps, source, by_length)
+        lookup, alone = rows("lookup"), rows("alone")
+        return cls(beams, lookup, cube, float(temperature), steps, source, by_length, alone)
 
 
 def survival(runs: Sequence[Sequence[int]], depth: int) -> tuple[tuple[float, ...], ...]:

@@ -24,6 +24,7 @@ from mlx_redrafter.auto import (
     MeasuredCosts,
     candidate_trees,
     expected_tokens,
+    greedy_and_sampled_planes,
     plane_of,
     prior_cube,
     prior_planes,
@@ -187,6 +188,24 @@ def test_expected_tokens_from_the_joint_acceptance():
     assert expected_tokens(candidates, planes).tolist() == pytest.approx(
         [1.0, 1.75, 1.0 + 0.55 + 0.2]
     )
+
+
+def test_lookup_trees_start_from_the_drafters_own_measurement_of_branches_alone():
+    """Beside beams a branch without a match copies the best beam, so a table's
+    lookup rows overrate trees without beams: those start from its rows measured
+    alone, or, for a table without them, from the built-in prior."""
+    candidates = Candidates.of(
+        [PLAIN_DECODING, TreeConfig(1, 3), TreeConfig(0, 1, lookup_branches=1, lookup_length=3)]
+    )
+    beside = AcceptanceTable(beams=((0.5, 0.25),), lookup=((0.6, 0.4),))
+    alone = replace(beside, alone=((0.45, 0.3),))
+    assert AcceptanceTable.from_dict(alone.to_dict()) == alone
+    rows = {}
+    for name, table in (("beside", beside), ("alone", alone)):
+        (planes, _), _, _ = greedy_and_sampled_planes(table, None, (1, 1), candidates.beam_lengths)
+        rows[name] = planes[0, 0, 1, :2]  # lookup branch alone, depths 1 and 2
+    assert rows["alone"].tolist() == pytest.approx([0.45, 0.3])
+    assert rows["beside"].tolist() == pytest.approx(LOOKUP_PRIOR.lookup[0][:2])
 
 
 def test_each_beam_length_reads_the_acceptance_measured_with_it():
@@ -1100,6 +1119,17 @@ def test_measured_acceptance_decays_with_depth_and_grows_with_width(trained_llam
     for shorter in table.by_length:
         assert shorter.steps > 0 and not shorter.lookup and len(shorter.beams) == 3
         assert len(shorter.joint) == 4 and len(shorter.joint[1][0]) == shorter.beam_length - 1
+    # The branches once more without beams: what the tree's lookup-only self accepts.
+    alone = measure_acceptance(
+        model,
+        drafter,
+        prompts[:6],
+        tree=TreeConfig(0, 1, lookup_branches=2, lookup_length=4),
+        max_tokens=24,
+    )
+    assert not alone.alone and table.alone == alone.lookup and len(table.alone) == 2
+    assert all(a <= b for a, b in zip(table.alone[1], table.lookup[1]))  # no beam to copy
+    assert AcceptanceTable.from_dict(table.to_dict()) == table
     # A dynamic tree's cut beams would undercount: refused before decoding anything.
     for cut in (TreeConfig.parse("8x7@20"), TreeConfig(8, 7, tree_budget=20)):
         with pytest.raises(ValueError, match="full tree, not 8x7.* with a node budget"):

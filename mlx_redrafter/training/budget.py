@@ -34,9 +34,10 @@ SAFETY = 0.85
 # Calibrating the auto tree for a new drafter costs about this many plain tokens' time.
 CALIBRATION_TOKENS = 1500
 # Decodes per held-out prompt in the evaluation: the acceptance table's wide tree
-# (about two plain decodes) and its shorter beam lengths (about one and a half each),
-# then mlx-lm, plain, and the auto tree without and with the drafter.
-EVAL_DECODES = 12
+# (about two plain decodes), its shorter beam lengths (about one and a half each) and
+# its lookup branches alone (about one), then mlx-lm, plain, and the auto tree
+# without and with the drafter.
+EVAL_DECODES = 13
 
 
 def parse_duration(text: str) -> float:

@@ -123,6 +123,10 @@ def _metrics(report: dict[str, Any], evaluation: dict[str, Any]) -> str:
             f"d = 1, 2, ...): {depth} ({acceptance['steps']} steps of the tree "
             f"{acceptance['source'].rsplit('tree ', 1)[-1]})"
         )
+    alone = acceptance.get("alone") or []
+    if alone:
+        depth = " / ".join(f"{p:.2f}" for p in alone[0])
+        lines.append(f"- the same for one lookup branch in trees without beams: {depth}")
     bench = evaluation["bench"]
     env = bench["environment"]
     machine = env.get("device_name") or f"{env['backend']}, {env['cpu_count']} cores"

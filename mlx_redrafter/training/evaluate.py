@@ -323,7 +323,9 @@ def measure_acceptance(
     had its first d drafted tokens accepted (`metrics.AcceptanceTable`). The prompts
     are decoded again with the tree's beams cut to each of `lengths` tokens shorter
     than its own (`AcceptanceTable.by_length`): the replies are the same (greedy, or
-    sampled with the same seeds), the beams are not.
+    sampled with the same seeds), the beams are not. With a drafter, the tree's
+    lookup branches are measured once more in a tree without beams
+    (`AcceptanceTable.alone`): what the auto tree's lookup trees accept.
 
     Without a drafter the tree's beams are dropped and only lookup branches count.
     """
@@ -352,7 +354,9 @@ def measure_acceptance(
         branch = tree.lookup_branch_length if tree.lookup_branches else None
         cut = replace(tree, beam_length=length, lookup_length=branch)
         shorter.append(replace(measured_with(cut), lookup=()))
-    return replace(table, source=f"{label}, tree {tree.label}", by_length=tuple(shorter))
+    alone = measured_with(tree.lookup_only).lookup if table.beams and tree.lookup_branches else ()
+    source = f"{label}, tree {tree.label}"
+    return replace(table, source=source, by_length=tuple(shorter), alone=alone)
 
 
 def _record_runs(
