@@ -456,7 +456,9 @@ def greedy_and_sampled_planes(
         raise ValueError("sampled_prior: give a table measured sampling (temperature > 0)")
     if sampled_prior is None:
         beams_only = tuple(replace(t, joint=()) for t in prior.by_length)
-        sampled_prior = replace(prior, lookup=(), joint=(), temperature=1.0, by_length=beams_only)
+        sampled_prior = replace(
+            prior, lookup=(), joint=(), alone=(), temperature=1.0, by_length=beams_only
+        )
     greedy = _table_planes(prior, kinds, LOOKUP_PRIOR, lengths)
     sampled = _table_planes(sampled_prior, kinds, LOOKUP_SAMPLED, lengths)
     return (greedy, sampled), sampled_prior.temperature, beams_measured

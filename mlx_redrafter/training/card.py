@@ -126,7 +126,10 @@ def _metrics(report: dict[str, Any], evaluation: dict[str, Any]) -> str:
     alone = acceptance.get("alone") or []
     if alone:
         depth = " / ".join(f"{p:.2f}" for p in alone[0])
-        lines.append(f"- the same for one lookup branch in trees without beams: {depth}")
+        lines.append(
+            f"- acceptance per depth, one lookup branch in trees without beams (the "
+            f"measuring tree's lookup branches alone, the n-gram table included): {depth}"
+        )
     bench = evaluation["bench"]
     env = bench["environment"]
     machine = env.get("device_name") or f"{env['backend']}, {env['cpu_count']} cores"
