@@ -38,6 +38,7 @@ from .distributed import is_main_process
 from .drafter import Drafter
 from .metrics import AcceptanceTable
 from .per_model import PerModel
+from .policy import StepRecord
 
 MAX_PACKED = 64  # N of the largest candidate tree (the calibrated range)
 PROBE_LONGEST = 16  # most steps between two drafter probes
@@ -872,20 +873,13 @@ class AutoTree:
         none = np.zeros((runs.shape[0], 0), dtype=np.int64)  # (B, 0): no drafter beams
         self._observe(none, runs, 1, lookup_tree.lookup_branch_length)
 
-    def record(
-        self,
-        tree: TreeConfig,
-        batch_size: int,
-        seconds: float,
-        runs: np.ndarray,
-        context: int,
-        built: bool = False,
-    ) -> None:
+    def record(self, step: StepRecord) -> None:
         """Learn from a step: each row's runs (B, W + G) of accepted tokens per
-        candidate (the drafter's beams first), and its time unless it `built`
-        functions (ran them at shapes new to its session, `TreeChoice.record`)."""
+        candidate (the drafter's beams first), and its time unless it built
+        functions (ran them at shapes new to its session, `StepRecord.built`)."""
         self.acceptance.fade()
         self.measured.fade()
+        tree, runs = step.tree, step.runs
         width = tree.beam_width if tree.beam_length > 1 else 0
         branches = runs[:, width : width + tree.lookup_branches]
         self._observe(runs[:, :width], branches, tree.beam_length, tree.lookup_branch_length)
@@ -893,12 +887,12 @@ class AutoTree:
         if index is None:
             return
         temperature = self._last[2]  # the last choice's rows: this step's
-        predicted = float(self.calibrated(batch_size, context, temperature)[index])
+        predicted = float(self.calibrated(step.batch_size, step.context, temperature)[index])
         # The step's host work and anything else the calibration did not see ...
         if self.candidates.plain[index]:
-            self._learn_plain_step(seconds - predicted, built)
+            self._learn_plain_step(step.seconds - predicted, step.built)
             return
-        self._learn_tree_step(index, seconds, predicted, built)
+        self._learn_tree_step(index, step.seconds, predicted, step.built)
 
     def _learn_plain_step(self, excess: float, built: bool) -> None:
         """Learn from a plain step's `excess` (seconds beyond its calibrated cost). A

@@ -12,6 +12,27 @@ from .config import PLAIN_DECODING, TreeConfig
 
 
 @dataclass(frozen=True)
+class StepRecord:
+    """What a decoding step tells its tree choice (`TreeChoice.record`).
+
+    tree: the tree the step verified (plain decoding for a plain step); batch_size: B;
+    seconds: from its launch to its tokens on the host and the host's work after it;
+    runs: (B, W + G) drafted tokens each candidate had accepted, the drafter's beams
+    first; context: the rows' longest committed length after it; built: the step ran
+    some compiled function at shapes it had not run at in its session (it traced it
+    and built its kernels then), so its time is not a cost
+    (`DecodingSession._first_run`).
+    """
+
+    tree: TreeConfig
+    batch_size: int
+    seconds: float
+    runs: np.ndarray
+    context: int
+    built: bool = False
+
+
+@dataclass(frozen=True)
 class TreePolicy:
     """The tree of a step, by the number of rows in the batch.
 
@@ -149,19 +170,8 @@ class TreeChoice(Protocol):
         `temperature` the highest sampling temperature among them (0: greedy)."""
         ...
 
-    def record(
-        self,
-        tree: TreeConfig,
-        batch_size: int,
-        seconds: float,
-        runs: np.ndarray,
-        context: int,
-        built: bool = False,
-    ) -> None:
-        """A step's time and each row's runs (B, W + G) of accepted drafted tokens;
-        `built`: the step ran some compiled function at shapes it had not run at in
-        its session (it traced it and built its kernels then), so its time is not a
-        cost (`DecodingSession._first_run`)."""
+    def record(self, step: StepRecord) -> None:
+        """Learn from a step: its time and each row's runs (`StepRecord`)."""
         ...
 
 
@@ -183,15 +193,9 @@ class FixedTrees:
         tree = self.policy.tree_for(batch_size)
         return self.guard.choose(tree, batch_size) if self.guard is not None else tree
 
-    def record(
-        self,
-        tree: TreeConfig,
-        batch_size: int,
-        seconds: float,
-        runs: np.ndarray,
-        context: int,
-        built: bool = False,
-    ) -> None:
+    def record(self, step: StepRecord) -> None:
         if self.guard is not None:
+            runs = step.runs
             tau = 1.0 + float(np.mean(np.max(runs, axis=1))) if runs.size else 1.0
-            self.guard.record(tree, batch_size, None if built else seconds, tau)
+            seconds = None if step.built else step.seconds
+            self.guard.record(step.tree, step.batch_size, seconds, tau)

@@ -43,6 +43,7 @@ from .decode import step_functions
 from .drafter import Drafter
 from .lookup import lookup_branches
 from .ngrams import table_branches
+from .policy import StepRecord
 from .probes import beam_runs
 from .target import TargetCache, prepare_target, target_hidden
 from .tree import ABSENT, chain_tree
@@ -340,7 +341,7 @@ def replay(
         result.trees[tree.label] += 1
         result.accepted.append(accepted)
         if auto is not None and checks is not None:
-            auto.record(tree, 1, seconds, runs, context, built=tree not in ran)
+            auto.record(StepRecord(tree, 1, seconds, runs, context, built=tree not in ran))
             ran.add(tree)
             checks.after(position)
     return result

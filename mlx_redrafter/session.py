@@ -62,7 +62,7 @@ from .logprobs import MAX_TOP, TokenLogprob
 from .lookup import hindsight_runs
 from .metrics import RequestMetrics
 from .ngrams import table_branches
-from .policy import FixedTrees, SpeedGuard, TreeChoice, TreePolicy
+from .policy import FixedTrees, SpeedGuard, StepRecord, TreeChoice, TreePolicy
 from .probes import DraftProbe
 from .prompt_cache import PromptCache
 from .streams import THREAD as _THREAD
@@ -129,17 +129,11 @@ class Update:
 
 @dataclass(frozen=True)
 class _TimedStep:
-    """A step the policy has not been told of yet: its tree, rows, seconds from launch
-    to its tokens on the host, runs (B, W + G), context, when it ended, and whether
-    it ran some compiled function at shapes new to this session (`built`)."""
+    """A step the policy has not been told of yet (its seconds from launch to its
+    tokens on the host), and when it ended."""
 
-    tree: TreeConfig
-    batch_size: int
-    seconds: float
-    runs: np.ndarray
-    context: int
+    step: StepRecord
     ended: float
-    built: bool
 
 
 def stop_config(tokenizer: Any, max_tokens: int, stop: Sequence[str] | str | None) -> StopConfig:
@@ -645,7 +639,8 @@ class DecodingSession:
         seconds = agreed_seconds(time.perf_counter() - started, self.group)
         used = PLAIN_DECODING if steps.plan.plain else tree
         stamp, frontier = time.perf_counter(), state.cache.frontier
-        self._timed = _TimedStep(used, batch_size, seconds, output.runs, frontier, stamp, built)
+        timed = StepRecord(used, batch_size, seconds, output.runs, frontier, built)
+        self._timed = _TimedStep(timed, stamp)
         record = getattr(self.policy, "record_hindsight", None)
         if hindsight is not None and record is not None:
             record(np.array(hindsight[0]), hindsight[1])
@@ -705,13 +700,11 @@ class DecodingSession:
         timed, self._timed = self._timed, None
         if timed is None:
             return
+        step = timed.step
         gap = time.perf_counter() - timed.ended
-        if not gap_counts or self.group is not None or not 0.0 <= gap <= timed.seconds:
+        if not gap_counts or self.group is not None or not 0.0 <= gap <= step.seconds:
             gap = 0.0
-        seconds = timed.seconds + gap
-        self.policy.record(
-            timed.tree, timed.batch_size, seconds, timed.runs, timed.context, timed.built
-        )
+        self.policy.record(replace(step, seconds=step.seconds + gap))
 
     def _hindsight(
         self, state: DecodeState, tree: TreeConfig, verifies_lookup: bool

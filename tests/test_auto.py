@@ -46,6 +46,7 @@ from mlx_redrafter.config import PLAIN_DECODING
 from mlx_redrafter.drafter import Drafter, DrafterError
 from mlx_redrafter.lookup import hindsight_runs
 from mlx_redrafter.metrics import AcceptanceTable, survival
+from mlx_redrafter.policy import StepRecord
 from mlx_redrafter.training.evaluate import measure_acceptance
 
 KEY = CalibrationKey("m", "d", "cpu:test", "float32", "none", "0")
@@ -235,7 +236,7 @@ def test_each_beam_length_reads_the_acceptance_measured_with_it():
     assert auto.prior(0.0)[1][auto._index[TreeConfig(4, 2)]] == pytest.approx(1.7)
     # Steps of 4x2 teach the plane of length 2; others learn only the shared scale.
     auto.choose(1)
-    auto.record(TreeConfig(4, 2), 1, 0.01, np.ones((1, 4), dtype=int), 0)
+    auto.record(StepRecord(TreeConfig(4, 2), 1, 0.01, np.ones((1, 4), dtype=int), 0))
     reached = auto.acceptance.beams.reached.sum(axis=(1, 2, 3))
     assert reached[plane(auto, 2)] > 0 and reached.sum() == reached[plane(auto, 2)]
     bad = (
@@ -341,7 +342,7 @@ def steps_where_nothing_is_accepted(auto: AutoTree, in_hindsight: bool) -> list[
         tree = auto.choose(1)
         chosen.append(tree)
         runs = np.zeros((1, tree.num_branches), dtype=int)
-        auto.record(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0)
+        auto.record(StepRecord(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0))
         lookup_tree = auto.hindsight(tree)
         if lookup_tree is not None and in_hindsight:
             auto.record_hindsight(np.zeros((1, lookup_tree.lookup_branches), int), lookup_tree)
@@ -367,7 +368,9 @@ def test_lookup_acceptance_is_learned_in_hindsight_while_decoding_plainly():
         for _ in range(40):  # text that copies itself: every branch would be accepted
             tree = auto.choose(1)
             runs = np.full((1, tree.num_branches), tree.depth - 1) if tree.num_branches else none
-            auto.record(tree, 1, float(auto.calibrated(1, 0)[auto._index[tree]]), runs, 0)
+            auto.record(
+                StepRecord(tree, 1, float(auto.calibrated(1, 0)[auto._index[tree]]), runs, 0)
+            )
             branches = auto.hindsight(tree)
             if branches is not None and in_hindsight:
                 auto.record_hindsight(np.full((1, branches.lookup_branches), 9), branches)
@@ -415,7 +418,7 @@ def test_drafter_acceptance_is_learned_from_probes_while_decoding_plainly():
             if tree.beam_width and tree.beam_length > 1:
                 first_drafted.setdefault(name, step)
             runs = np.full((1, tree.num_branches), tree.depth - 1)
-            auto.record(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0)
+            auto.record(StepRecord(tree, 1, float(auto.costs(1, 0)[auto._index[tree]]), runs, 0))
             probe = auto.probe(tree)
             if probe is not None and name == "probed":
                 width, length = probe.beam_width, probe.beam_length
@@ -481,7 +484,9 @@ def test_sampled_steps_whose_prior_says_plain_still_probe_and_learn_the_drafter(
             tree = auto.choose(2, temperature=1.0)
             trees.append(tree)
             seconds = float(auto.calibrated(2, 0, 1.0)[auto._index[tree]])
-            auto.record(tree, 2, seconds, np.zeros((2, tree.num_branches), dtype=int), 0)
+            auto.record(
+                StepRecord(tree, 2, seconds, np.zeros((2, tree.num_branches), dtype=int), 0)
+            )
             probe = auto.probe(tree)
             if probe is not None:
                 auto.record_probe(np.full((2, probe.beam_width), guessed), probe)
@@ -547,14 +552,14 @@ def test_a_tree_whose_steps_cost_more_than_other_trees_gives_way():
     for step in range(8):
         runs = np.full((1, other.num_branches), 1)
         seconds = float(auto.calibrated(1, 0)[auto._index[other]])
-        auto.record(other, 1, seconds, runs, 0, built=step == 0)
+        auto.record(StepRecord(other, 1, seconds, runs, 0, built=step == 0))
     for _ in range(40):
         tree = auto.choose(1)
         runs = np.full((1, tree.num_branches), tree.depth - 1)  # everything accepted
         seconds = float(auto.calibrated(1, 0)[auto._index[tree]])
         built = tree not in ran
         ran.add(tree)
-        auto.record(tree, 1, 3 * seconds if tree == slow else seconds, runs, 0, built)
+        auto.record(StepRecord(tree, 1, 3 * seconds if tree == slow else seconds, runs, 0, built))
     # Its first step (building its functions) taught nothing, the others its cost.
     assert auto.factor[index] > 1.3 and auto.entry == 0 and auto.choose(1) != slow
 
@@ -572,10 +577,10 @@ def test_the_first_tree_step_after_plain_ones_teaches_the_switch_not_the_tree():
     none = np.zeros((1, 0), dtype=int)
     assert auto.switch_seconds(1, 0) == 0.0  # plain_share 1, nothing measured yet
     for stint in range(40):
-        auto.record(PLAIN_DECODING, 1, plain, none, 0)
+        auto.record(StepRecord(PLAIN_DECODING, 1, plain, none, 0))
         for k in range(4):
             extra = (0.200 if stint == 0 else 0.015) if k == 0 else 0.0
-            auto.record(tree, 1, predicted + extra, runs, 0, built=stint == k == 0)
+            auto.record(StepRecord(tree, 1, predicted + extra, runs, 0, built=stint == k == 0))
         if stint == 0:
             assert auto.entry == 0.0 and auto.factor[index] == pytest.approx(1.0)
     assert auto.entry == pytest.approx(0.015, rel=0.05)
@@ -605,7 +610,7 @@ def test_sessions_of_a_model_share_measured_step_costs_but_not_acceptance(monkey
     runs = np.full((1, tree.num_branches), tree.depth - 1)
     seconds = float(first.calibrated(1, 0)[index])
     for _ in range(12):
-        first.record(tree, 1, 2 * seconds, runs, 0)
+        first.record(StepRecord(tree, 1, 2 * seconds, runs, 0))
     assert first.factor[index] > 1.1 and first.estimates[0].alone.reached.sum() > 0
     second = AutoTree.for_model(model, None)
     assert second.factor[index] == first.factor[index]
@@ -634,11 +639,11 @@ def test_the_switch_from_plain_decoding_is_spread_over_the_stints_measured():
     none = np.zeros((1, 0), dtype=int)
     assert auto.measured.stint is None
     for length in (20, 10):
-        auto.record(PLAIN_DECODING, 1, 0.010, none, 0)
+        auto.record(StepRecord(PLAIN_DECODING, 1, 0.010, none, 0))
         for _ in range(length):
-            auto.record(tree, 1, 0.012, runs, 0)
+            auto.record(StepRecord(tree, 1, 0.012, runs, 0))
     assert auto.measured.stint == 20  # the second stint has not ended yet
-    auto.record(PLAIN_DECODING, 1, 0.010, none, 0)
+    auto.record(StepRecord(PLAIN_DECODING, 1, 0.010, none, 0))
     assert auto.measured.stint == pytest.approx(20 + 0.2 * (10 - 20))
     # A switch that costs 20 steps' worth: not worth it for a stint of 4 steps, worth
     # it for stints of 400.
@@ -652,13 +657,13 @@ def test_measured_step_times_beyond_the_curve_count_as_overhead():
     auto = auto_tree(synthetic(lambda n: 0.010))
     tree = auto.choose(1)
     for _ in range(100):
-        auto.record(tree, 1, 0.030, np.zeros((1, tree.num_branches), dtype=int), 0)
+        auto.record(StepRecord(tree, 1, 0.030, np.zeros((1, tree.num_branches), dtype=int), 0))
     # Priced a little nearer the calibration than measured (shrunk by 4 steps' worth).
     assert auto.overhead[1] == pytest.approx(0.020, rel=0.1)
     assert auto.overhead[0] == 0.0  # a tree's host work is not charged to plain steps
     # Plain steps that look ahead alternate long and short: their average counts.
     for seconds in [0.022, 0.002] * 200:
-        auto.record(PLAIN_DECODING, 1, seconds, np.zeros((1, 0), dtype=int), 0)
+        auto.record(StepRecord(PLAIN_DECODING, 1, seconds, np.zeros((1, 0), dtype=int), 0))
     assert auto.overhead[0] == pytest.approx(0.002, abs=0.001)
     assert auto.factor[0] == 1.0
     # 400 steps later the trees' overhead has faded back toward the calibration's.
@@ -673,16 +678,16 @@ def test_steps_that_built_functions_teach_acceptance_and_no_cost():
     auto = auto_tree(synthetic(lambda n: 0.010))
     tree = auto.choose(1)
     runs, none = np.full((1, tree.num_branches), 1), np.zeros((1, 0), dtype=int)
-    auto.record(PLAIN_DECODING, 1, 0.5, none, 0, built=True)
-    auto.record(PLAIN_DECODING, 1, 0.010, none, 0)
+    auto.record(StepRecord(PLAIN_DECODING, 1, 0.5, none, 0, built=True))
+    auto.record(StepRecord(PLAIN_DECODING, 1, 0.010, none, 0))
     before = auto.acceptance.survival().copy()
-    auto.record(tree, 1, 3.0, runs, 0, built=True)
-    auto.record(PLAIN_DECODING, 1, 0.9, none, 0, built=True)
+    auto.record(StepRecord(tree, 1, 3.0, runs, 0, built=True))
+    auto.record(StepRecord(PLAIN_DECODING, 1, 0.9, none, 0, built=True))
     # One plain step learned (its excess 0), faded by the two steps after it.
     assert auto.overhead[0] == 0.0 and auto.measured.excess_steps[0] == pytest.approx(STEP_FADE**2)
     assert auto.entry == 0.0 and auto.overhead[1] == 0.0
     assert not np.allclose(auto.acceptance.survival(), before)
-    auto.record(PLAIN_DECODING, 1, 0.014, none, 0)
+    auto.record(StepRecord(PLAIN_DECODING, 1, 0.014, none, 0))
     assert auto.overhead[0] > 0.0
 
 
@@ -697,9 +702,11 @@ def test_the_switchs_extra_is_learned_against_what_tree_steps_measure():
     runs, none = np.full((1, tree.num_branches), 1), np.zeros((1, 0), dtype=int)
     for _ in range(30):
         for _ in range(300):
-            auto.record(PLAIN_DECODING, 1, 0.010, none, 0)
+            auto.record(StepRecord(PLAIN_DECODING, 1, 0.010, none, 0))
         for k in range(20):
-            auto.record(tree, 1, predicted + 0.020 + (0.015 if k == 0 else 0.0), runs, 0)
+            auto.record(
+                StepRecord(tree, 1, predicted + 0.020 + (0.015 if k == 0 else 0.0), runs, 0)
+            )
     assert auto.entry == pytest.approx(0.015, rel=0.05)
 
 
@@ -717,9 +724,11 @@ def test_trees_priced_in_a_slow_spell_are_tried_again_once_plain_steps_have_run(
             index = auto._index[tree]
             seconds = float(auto.calibrated(1, 0)[index])
             if tree == PLAIN_DECODING:
-                auto.record(tree, 1, seconds, np.zeros((1, 0), dtype=int), 0)
+                auto.record(StepRecord(tree, 1, seconds, np.zeros((1, 0), dtype=int), 0))
             else:  # one drafted token accepted
-                auto.record(tree, 1, 4.0 * seconds, np.full((1, tree.num_branches), 1), 0)
+                auto.record(
+                    StepRecord(tree, 1, 4.0 * seconds, np.full((1, tree.num_branches), 1), 0)
+                )
             chosen.append(tree)
         return chosen
 
@@ -756,9 +765,10 @@ class OnTheCurve(AutoTree):
     """An auto tree that takes every step to cost what its calibration predicts (so
     that a synthetic curve holds whatever this machine's real step times are)."""
 
-    def record(self, tree, batch_size, seconds, runs, context, built=False):
-        predicted = float(self.calibrated(batch_size, context)[self._index[tree]])
-        super().record(tree, batch_size, predicted, runs, context, built)
+    def record(self, step):
+        index = self._index[step.tree]
+        predicted = float(self.calibrated(step.batch_size, step.context)[index])
+        super().record(replace(step, seconds=predicted))
 
 
 def test_a_session_turns_lookup_on_from_what_it_sees_in_hindsight(trained_llama):
@@ -1251,7 +1261,7 @@ def test_trees_tried_are_not_priced_above_untried_ones_by_a_common_slowdown():
     assert tree != PLAIN_DECODING and index != slow
     runs = np.full((1, tree.num_branches), 1)  # one drafted token accepted
     for _ in range(24):
-        auto.record(tree, 1, 1.3 * float(auto.calibrated(1, 0)[index]), runs, 0)
+        auto.record(StepRecord(tree, 1, 1.3 * float(auto.calibrated(1, 0)[index]), runs, 0))
     factors = auto.factor
     trees = ~auto.candidates.plain
     others = trees & (np.arange(len(factors)) != index)

@@ -22,6 +22,7 @@ from mlx_redrafter import (
     TreeConfig,
 )
 from mlx_redrafter.config import PLAIN_DECODING
+from mlx_redrafter.policy import StepRecord
 
 
 def test_greedy_rows_without_a_key_share_a_batch_with_sampled_rows(trained_llama):
@@ -107,7 +108,7 @@ class _Alternating:
     def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         return self.tree if self.pattern[context % len(self.pattern)] == "t" else PLAIN_DECODING
 
-    def record(self, tree, batch_size, seconds, runs, context, built=False) -> None:
+    def record(self, step: StepRecord) -> None:
         pass
 
 
@@ -299,9 +300,9 @@ class TimedChoice(_Alternating):
         self.recorded: list[tuple[TreeConfig, int, float]] = []
         self.built: list[bool] = []
 
-    def record(self, tree, batch_size, seconds, runs, context, built=False) -> None:
-        self.recorded.append((tree, batch_size, seconds))
-        self.built.append(built)
+    def record(self, step: StepRecord) -> None:
+        self.recorded.append((step.tree, step.batch_size, step.seconds))
+        self.built.append(step.built)
 
 
 def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
@@ -321,7 +322,8 @@ def test_every_step_is_timed_once_with_the_host_work_after_it(trained_llama):
     runs = np.zeros((1, 0), dtype=np.int64)
     for gap, counts, seconds in ((0.05, True, 0.15), (100.0, True, 0.1), (0.05, False, 0.1)):
         ended = time.perf_counter() - gap
-        session._timed = session_module._TimedStep(PLAIN_DECODING, 1, 0.1, runs, 9, ended, False)
+        step = StepRecord(PLAIN_DECODING, 1, 0.1, runs, 9)
+        session._timed = session_module._TimedStep(step, ended)
         session._settle_timing(gap_counts=counts)
         assert choice.recorded[-1][2] == pytest.approx(seconds, abs=0.01)
     session.add([Request(prompts[2], stop=StopConfig(10))])

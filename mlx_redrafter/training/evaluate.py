@@ -20,6 +20,7 @@ from ..config import PLAIN_DECODING, SamplingConfig, StopConfig, TreeConfig
 from ..drafter import Drafter
 from ..generate import stream_batch, stream_generate
 from ..metrics import AcceptanceTable, joint_survival, survival
+from ..policy import StepRecord
 from ..prompts import encode_prompt, read_prompts
 from .config import TrainConfig
 from .data import (
@@ -288,16 +289,8 @@ class _RecordRuns:
     def choose(self, batch_size: int, context: int = 0, temperature: float = 0.0) -> TreeConfig:
         return self.tree
 
-    def record(
-        self,
-        tree: TreeConfig,
-        batch_size: int,
-        seconds: float,
-        runs: np.ndarray,
-        context: int,
-        built: bool = False,
-    ) -> None:
-        self.runs.extend(runs.tolist())
+    def record(self, step: StepRecord) -> None:
+        self.runs.extend(step.runs.tolist())
 
 
 ACCEPTANCE_TREE = TreeConfig(8, 7, lookup_branches=4, lookup_length=10)
