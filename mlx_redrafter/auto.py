@@ -47,6 +47,9 @@ PROBE_LONGEST = 16  # most steps between two drafter probes
 PROBE_WIDTH, PROBE_MAX_LENGTH = 2, 5
 POOL_STEPS = 4.0  # steps' worth of the calibration in each measured cost (`MeasuredCosts`)
 STEP_FADE = 0.99  # what a step counts in those costs after another step, plain or not
+# Most that one step's time moves a measured cost, as a share of the step's predicted
+# cost: its residual against the current estimate is clipped to this (Huber-style).
+STEP_SPAN = 0.5
 
 # Lookup branches searched in the row's own text (no drafter): the fraction of steps
 # whose best of the first k + 1 branches had d tokens accepted. Measured (greedy,
@@ -513,12 +516,16 @@ class MeasuredCosts:
     `steps` (C,) of its steps; excess (plain, trees): the seconds their steps took
     beyond the calibrated cost, from `excess_steps` (2,) steps (`overhead` is what
     the choice uses). Each is the mean of its steps while they are few, then a
-    running mean. Every step decoded, plain ones included, fades these step counts
-    by `STEP_FADE`, so that what was measured a while ago (a slow spell) counts
-    little and the calibration's prices return. entry: the extra seconds of a
-    stint's first step; stint: the steps a stint of trees between two plain steps
-    lasts (running means, not faded; stint is None until one has ended; a stint
-    that lasts to the end of its session is not counted).
+    running mean, of residuals clipped around the current estimate (to `STEP_SPAN`
+    of a tree step's predicted cost, to a plain step's whole cost): a step the
+    machine stalled (another process, a page fault) moves a price by a fraction of
+    a step, not by the stall, while a lasting change is still learned within tens
+    of steps. Every step decoded, plain ones included, fades these step counts by
+    `STEP_FADE`, so that what was measured a while ago (a slow spell) counts little
+    and the calibration's prices return. entry: the extra seconds of a stint's
+    first step (clipped as a tree step's); stint: the steps a stint of trees
+    between two plain steps lasts (running means, not faded; stint is None until
+    one has ended; a stint that lasts to the end of its session is not counted).
     """
 
     def __init__(self, trees: int):
@@ -537,11 +544,12 @@ class MeasuredCosts:
         self.steps *= STEP_FADE
         self.excess_steps *= STEP_FADE
 
-    def learn_excess(self, kind: int, seconds: float) -> None:
+    def learn_excess(self, kind: int, seconds: float, span: float) -> None:
         """A step of `kind` (0 plain, 1 trees) took `seconds` beyond its calibrated
         cost: the mean of such excesses while they are few, then a running one (a
-        tenth of the weight on the newest step)."""
-        _update_mean(self.excess, self.excess_steps, kind, seconds, 0.1)
+        tenth of the weight on the newest step), each counted at most `span`
+        seconds from the current estimate."""
+        _update_mean(self.excess, self.excess_steps, kind, seconds, 0.1, span)
 
     @property
     def overhead(self) -> np.ndarray:
@@ -552,11 +560,12 @@ class MeasuredCosts:
         priced.setflags(write=False)
         return priced
 
-    def learn(self, index: int, ratio: float) -> None:
+    def learn(self, index: int, ratio: float, span: float = STEP_SPAN) -> None:
         """One step of tree `index` took `ratio` times its prediction: its factor is
         the mean of its (faded) steps' ratios while they are few, then a running
-        one (a fifth of the weight on the newest step)."""
-        _update_mean(self.own, self.steps, index, ratio, 0.2)
+        one (a fifth of the weight on the newest step), each counted at most `span`
+        from the current factor."""
+        _update_mean(self.own, self.steps, index, ratio, 0.2, span)
 
     def factors(self, pool: float = POOL_STEPS) -> np.ndarray:
         """(C,) the factor each tree's steps are priced at: its own, mixed with `pool`
@@ -578,12 +587,15 @@ def _with_prior(means: np.ndarray, steps: np.ndarray, prior: float, pool: float)
     return (steps * means + pool * prior) / (steps + pool)
 
 
-def _update_mean(means: np.ndarray, steps: np.ndarray, i: int, value: float, floor: float) -> None:
+def _update_mean(
+    means: np.ndarray, steps: np.ndarray, i: int, value: float, floor: float, span: float
+) -> None:
     """Add a step of `value` to entry `i` of (K,) `means` over (K,) faded `steps`: the
     mean of its steps while they are few, then a running mean (`floor` of the weight
-    on the newest step)."""
+    on the newest step), of residuals clipped to `span` around the current mean."""
     steps[i] += 1
-    means[i] += max(1.0 / steps[i], floor) * (value - means[i])
+    residual = min(max(value - means[i], -span), span)
+    means[i] += max(1.0 / steps[i], floor) * residual
 
 
 _MEASURED: PerModel[MeasuredCosts] = PerModel()
@@ -890,21 +902,23 @@ class AutoTree:
         predicted = float(self.calibrated(step.batch_size, step.context, temperature)[index])
         # The step's host work and anything else the calibration did not see ...
         if self.candidates.plain[index]:
-            self._learn_plain_step(step.seconds - predicted, step.built)
+            self._learn_plain_step(step.seconds - predicted, predicted, step.built)
             return
         self._learn_tree_step(index, step.seconds, predicted, step.built)
 
-    def _learn_plain_step(self, excess: float, built: bool) -> None:
+    def _learn_plain_step(self, excess: float, predicted: float, built: bool) -> None:
         """Learn from a plain step's `excess` (seconds beyond its calibrated cost). A
         plain step that looked ahead launched the next one's forward, so its time can
         hold part of its neighbour's (the first of a stint long, the last short): only
-        their average means something, so it is not clipped, and no plain factor is
-        kept."""
+        their average means something, so its residual is clipped at a whole step's
+        cost (what a look-ahead can move between neighbours; the clip is symmetric
+        and keeps such an alternation's mean), not at `STEP_SPAN` of it, and no
+        plain factor is kept."""
         if not self._after_plain:  # a stint of trees ended
             self._end_stint()
         self._after_plain = True
         if not built:
-            self.measured.learn_excess(0, excess)
+            self.measured.learn_excess(0, excess, predicted)
 
     def _learn_tree_step(self, index: int, seconds: float, predicted: float, built: bool) -> None:
         """Learn from a tree step's time: the first step of a stint teaches the
@@ -914,12 +928,12 @@ class AutoTree:
         self._after_plain, self._stint = False, 1 if first_of_stint else self._stint + 1
         if built:
             return
+        span = STEP_SPAN * predicted
         if first_of_stint:  # against what tree steps measure, not faded toward 0
-            expected = predicted + self.measured.excess[1]
-            extra = min(max(seconds - expected, -0.5 * expected), 3.0 * expected)
-            self.measured.entry += 0.2 * (extra - self.measured.entry)
+            extra = seconds - predicted - self.measured.excess[1]
+            residual = min(max(extra - self.measured.entry, -span), span)
+            self.measured.entry += 0.2 * residual
             return
-        self.measured.learn_excess(1, max(seconds - predicted, -0.5 * predicted))
+        self.measured.learn_excess(1, seconds - predicted, span)
         # ... and what this tree's steps cost beyond that.
-        ratio = min(max(seconds / (predicted + self.overhead[1]), 0.5), 3.0)
-        self.measured.learn(index, ratio)
+        self.measured.learn(index, seconds / (predicted + self.overhead[1]))
