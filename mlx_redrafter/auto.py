@@ -560,7 +560,7 @@ class MeasuredCosts:
         priced.setflags(write=False)
         return priced
 
-    def learn(self, index: int, ratio: float, span: float = STEP_SPAN) -> None:
+    def learn(self, index: int, ratio: float, span: float) -> None:
         """One step of tree `index` took `ratio` times its prediction: its factor is
         the mean of its (faded) steps' ratios while they are few, then a running
         one (a fifth of the weight on the newest step), each counted at most `span`
@@ -936,4 +936,5 @@ class AutoTree:
             return
         self.measured.learn_excess(1, seconds - predicted, span)
         # ... and what this tree's steps cost beyond that.
-        self.measured.learn(index, seconds / (predicted + self.overhead[1]))
+        ratio = seconds / max(predicted + self.overhead[1], 0.5 * predicted)
+        self.measured.learn(index, ratio, STEP_SPAN)

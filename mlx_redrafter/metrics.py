@@ -189,12 +189,14 @@ class AcceptanceTable:
                 "acceptance table: 'by_length' holds tables of drafter beams, one per beam "
                 "length, without tables of their own"
             )
-        beams = rows("beams")
-        if any(len(row) != len(beams[0]) for row in beams):
-            raise ValueError("acceptance table: every row of 'beams' must have the same depth")
+        beams, lookup, alone = rows("beams"), rows("lookup"), rows("alone")
+        for name, table in (("beams", beams), ("lookup", lookup), ("alone", alone)):
+            if any(len(row) != len(table[0]) for row in table):
+                raise ValueError(
+                    f"acceptance table: every row of {name!r} must have the same depth"
+                )
         if any(t.temperature != temperature for t in by_length):
             raise ValueError("acceptance table: 'by_length' tables are measured at its temperature")
-        lookup, alone = rows("lookup"), rows("alone")
         return cls(beams, lookup, cube, float(temperature), steps, source, by_length, alone)
 
 
