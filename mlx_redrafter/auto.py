@@ -594,8 +594,12 @@ def _update_mean(
     mean of its steps while they are few, then a running mean (`floor` of the weight
     on the newest step), of residuals clipped to `span` around the current mean."""
     steps[i] += 1
-    residual = min(max(value - means[i], -span), span)
-    means[i] += max(1.0 / steps[i], floor) * residual
+    means[i] += max(1.0 / steps[i], floor) * _clipped(value - means[i], span)
+
+
+def _clipped(residual: float, span: float) -> float:
+    """`residual` clipped to [-span, span]: what one step may move a running mean by."""
+    return min(max(residual, -span), span)
 
 
 _MEASURED: PerModel[MeasuredCosts] = PerModel()
@@ -931,8 +935,7 @@ class AutoTree:
         span = STEP_SPAN * predicted
         if first_of_stint:  # against what tree steps measure, not faded toward 0
             extra = seconds - predicted - self.measured.excess[1]
-            residual = min(max(extra - self.measured.entry, -span), span)
-            self.measured.entry += 0.2 * residual
+            self.measured.entry += 0.2 * _clipped(extra - self.measured.entry, span)
             return
         self.measured.learn_excess(1, seconds - predicted, span)
         # ... and what this tree's steps cost beyond that.

@@ -105,6 +105,11 @@ def _recipe(report: dict[str, Any], recipe: Recipe) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _depths(row: list[float]) -> str:
+    """One acceptance row, depth by depth: "0.66 / 0.40 / ..."."""
+    return " / ".join(f"{p:.2f}" for p in row)
+
+
 def _metrics(report: dict[str, Any], evaluation: dict[str, Any]) -> str:
     lines = ["## Metrics\n"]
     if report.get("validation"):
@@ -115,20 +120,17 @@ def _metrics(report: dict[str, Any], evaluation: dict[str, Any]) -> str:
             f"{accuracy}"
         )
     acceptance = evaluation["acceptance"]
-    beams = acceptance["beams"][0] if acceptance["beams"] else []
-    if beams:
-        depth = " / ".join(f"{p:.2f}" for p in beams)
+    if acceptance["beams"]:
         lines.append(
             f"- acceptance per depth, one beam (share of steps accepting d drafted tokens, "
-            f"d = 1, 2, ...): {depth} ({acceptance['steps']} steps of the tree "
-            f"{acceptance['source'].rsplit('tree ', 1)[-1]})"
+            f"d = 1, 2, ...): {_depths(acceptance['beams'][0])} ({acceptance['steps']} "
+            f"steps of the tree {acceptance['source'].rsplit('tree ', 1)[-1]})"
         )
-    alone = acceptance.get("alone") or []
-    if alone:
-        depth = " / ".join(f"{p:.2f}" for p in alone[0])
+    if acceptance.get("alone"):
         lines.append(
             f"- acceptance per depth, one lookup branch in trees without beams (the "
-            f"measuring tree's lookup branches alone, the n-gram table included): {depth}"
+            f"measuring tree's lookup branches alone, the n-gram table included): "
+            f"{_depths(acceptance['alone'][0])}"
         )
     bench = evaluation["bench"]
     env = bench["environment"]
